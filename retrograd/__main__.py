@@ -1,0 +1,3 @@
+from retrograd.cli import main
+
+main()

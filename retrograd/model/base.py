@@ -1,0 +1,156 @@
+"""Load a GGUF base model for torch: `retrograd.load_model(path)`.
+
+The returned BaseModel is the small, stable Python API (README "Python API"):
+`m.tokenize(text) -> list[int]` and `m.logits(ids) -> Tensor[len(ids), n_vocab]`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf.quants
+import numpy as np
+import torch
+
+from retrograd.bundled import default_model_path
+from retrograd.errors import GGUFError
+from retrograd.gguf.file import GGUFFile, TensorInfo
+from retrograd.gguf.spec import ModelSpec, read_spec
+from retrograd.kernels.dequant import CODECS
+from retrograd.kernels.frozen import FrozenWeight
+from retrograd.model.tokenizer import Tokenizer
+from retrograd.model.transformer import Transformer
+
+WEIGHT_MODES = ("quantized", "bf16", "f32")
+COMPUTE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+HEAD_TILE = 16384  # vocabulary rows per tile when computing full logits
+
+
+@dataclass
+class BaseModel:
+    path: Path
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    transformer: Transformer
+    weights_mode: str
+    file_size: int
+    notes: list[str] = field(default_factory=list)  # things the user should hear about (CLI prints them)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    @torch.no_grad()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """float32 [len(ids), n_vocab]: next-token logits after each prefix."""
+        tokens = torch.tensor([list(ids)], dtype=torch.long)
+        hidden = self.transformer(tokens)[0]  # [T, E]
+        v = self.spec.n_vocab
+        return torch.cat([self.transformer.head(hidden, s, min(s + HEAD_TILE, v)) for s in range(0, v, HEAD_TILE)], -1)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.transformer.compute_dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, dtype: torch.dtype) -> None:
+        self.transformer.compute_dtype = dtype
+
+
+def load_model(
+    path: str | Path | None = None,
+    *,
+    weights: str = "quantized",
+    compute_dtype: str = "f32",
+) -> BaseModel:
+    """GGUF file (default: the bundled SmolLM2-135M-Instruct Q4_1) -> BaseModel.
+
+    weights: "quantized" keeps the GGUF blocks and dequantizes per matmul; "bf16" / "f32"
+    dequantize every matrix once at load. compute_dtype: "f32" or "bf16" for matmuls."""
+    if weights not in WEIGHT_MODES:
+        raise GGUFError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise GGUFError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
+    path = Path(path) if path is not None else default_model_path()
+    f = GGUFFile(path)
+    spec = read_spec(f)
+    notes: list[str] = []
+    matrices, vectors = _load_tensors(f, spec, weights, notes)
+    tokenizer = Tokenizer(path)
+    transformer = Transformer(spec, matrices, vectors)
+    transformer.compute_dtype = COMPUTE_DTYPES[compute_dtype]
+    transformer.requires_grad_(False)
+    return BaseModel(path, spec, tokenizer, transformer, weights, f.size, notes)
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward reads, with its torch shape; anything else in the file is ignored."""
+    E, D, Dv = spec.n_embd, spec.head_dim, spec.head_dim_v
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, E), "output_norm.weight": (E,)}
+    if not spec.tied_output:
+        shapes["output.weight"] = (spec.n_vocab, E)
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        shapes |= {
+            p + "attn_norm.weight": (E,),
+            p + "attn_q.weight": (spec.n_head * D, E),
+            p + "attn_k.weight": (spec.n_head_kv * D, E),
+            p + "attn_v.weight": (spec.n_head_kv * Dv, E),
+            p + "attn_output.weight": (E, spec.n_head * Dv),
+            p + "ffn_norm.weight": (E,),
+            p + "ffn_gate.weight": (spec.n_ff, E),
+            p + "ffn_up.weight": (spec.n_ff, E),
+            p + "ffn_down.weight": (E, spec.n_ff),
+        }
+        if spec.qkv_bias:
+            shapes |= {p + "attn_q.bias": (spec.n_head * D,), p + "attn_k.bias": (spec.n_head_kv * D,), p + "attn_v.bias": (spec.n_head_kv * Dv,)}
+        if spec.qk_norm:
+            shapes |= {p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)}
+        if spec.sandwich_norm:
+            shapes |= {p + "post_attention_norm.weight": (E,), p + "post_ffw_norm.weight": (E,)}
+    return shapes
+
+
+def _load_tensors(f: GGUFFile, spec: ModelSpec, mode: str, notes: list[str]):
+    matrices: dict[str, FrozenWeight] = {}
+    vectors: dict[str, torch.Tensor] = {}
+    once_dequantized: set[str] = set()
+    for name, shape in expected_shapes(spec).items():
+        t = f.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"{f.path}: missing tensor {name} (expected for {spec.arch})")
+        if t.shape != shape:
+            raise GGUFError(f"{f.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} for this {spec.arch} model")
+        if len(shape) == 1:
+            vectors[name] = torch.from_numpy(_numpy_f32(f, t).copy())
+            continue
+        w = _frozen(f, t, once_dequantized)
+        if mode != "quantized":
+            w = w.to_dense(torch.bfloat16 if mode == "bf16" else torch.float32)
+        matrices[name] = w
+    if once_dequantized:
+        notes.append(
+            f"tensor types {', '.join(sorted(once_dequantized))} have no torch kernel: dequantized once at load (more memory)"
+        )
+    return matrices, vectors
+
+
+def _frozen(f: GGUFFile, t: TensorInfo, once_dequantized: set[str]) -> FrozenWeight:
+    with warnings.catch_warnings():  # the memory map is read-only; we never write to it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(t.data)
+    if t.qtype == gguf.GGMLQuantizationType.BF16:
+        data = data.view(torch.bfloat16)
+    elif t.qtype not in CODECS:
+        once_dequantized.add(t.qtype.name)
+        data = torch.from_numpy(_numpy_f32(f, t))
+    return FrozenWeight(t.name, data.reshape(t.shape[0], -1), t.qtype, t.shape)  # type: ignore[arg-type]
+
+
+def _numpy_f32(f: GGUFFile, t: TensorInfo) -> np.ndarray:
+    try:
+        out = gguf.quants.dequantize(t.data, t.qtype)
+    except NotImplementedError:
+        raise GGUFError(f"{f.path}: tensor {t.name} has type {t.qtype.name}, which cannot be dequantized") from None
+    return np.asarray(out, dtype=np.float32).reshape(t.shape)
