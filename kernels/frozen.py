@@ -51,6 +51,9 @@ class FrozenWeight:
             return self.data[start:stop].to(dtype)
         return dequantize(self.data[start:stop], self.qtype, (stop - start, self.shape[1]), dtype)
 
+    def to(self, device: torch.device) -> FrozenWeight:
+        return self if self.data.device == device else FrozenWeight(self.name, self.data.to(device), self.qtype, self.shape)
+
     def to_dense(self, dtype: torch.dtype) -> FrozenWeight:
         """A copy dequantized once (the `bf16` / `f32` weight modes)."""
         return FrozenWeight(self.name, self.dense(dtype).contiguous(), self.qtype, self.shape)

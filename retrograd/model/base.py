@@ -44,10 +44,17 @@ class BaseModel:
     @torch.no_grad()
     def logits(self, ids: list[int]) -> torch.Tensor:
         """float32 [len(ids), n_vocab]: next-token logits after each prefix."""
-        tokens = torch.tensor([list(ids)], dtype=torch.long)
+        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.transformer.device)
         hidden = self.transformer(tokens)[0]  # [T, E]
         v = self.spec.n_vocab
-        return torch.cat([self.transformer.head(hidden, s, min(s + HEAD_TILE, v)) for s in range(0, v, HEAD_TILE)], -1)
+        tiles = [self.transformer.head(hidden, s, min(s + HEAD_TILE, v)) for s in range(0, v, HEAD_TILE)]
+        return torch.cat(tiles, -1).cpu()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Memory held by the frozen base: matrices as kept (blocks or dense) plus vectors."""
+        t = self.transformer
+        return sum(w.nbytes for w in t.frozen_weights()) + sum(b.numel() * b.element_size() for b in t.buffers())
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -63,11 +70,13 @@ def load_model(
     *,
     weights: str = "quantized",
     compute_dtype: str = "f32",
+    device: torch.device | str = "cpu",
 ) -> BaseModel:
     """GGUF file (default: the bundled SmolLM2-135M-Instruct Q4_1) -> BaseModel.
 
     weights: "quantized" keeps the GGUF blocks and dequantizes per matmul; "bf16" / "f32"
-    dequantize every matrix once at load. compute_dtype: "f32" or "bf16" for matmuls."""
+    dequantize every matrix once at load. compute_dtype: "f32" or "bf16" for matmuls.
+    device: a torch device (see retrograd.device.resolve_device for auto/cpu/gpu)."""
     if weights not in WEIGHT_MODES:
         raise GGUFError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
     if compute_dtype not in COMPUTE_DTYPES:
@@ -78,7 +87,7 @@ def load_model(
     notes: list[str] = []
     matrices, vectors = _load_tensors(f, spec, weights, notes)
     tokenizer = Tokenizer(path)
-    transformer = Transformer(spec, matrices, vectors)
+    transformer = Transformer(spec, matrices, vectors).to_device(torch.device(device))
     transformer.compute_dtype = COMPUTE_DTYPES[compute_dtype]
     transformer.requires_grad_(False)
     return BaseModel(path, spec, tokenizer, transformer, weights, f.size, notes)

@@ -73,6 +73,8 @@ class RotaryTable:
         n_pos = int(positions.max()) + 1
         if n_pos > self.cos.shape[0]:
             self._build(max(n_pos, 2 * self.cos.shape[0], 256))
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions], self.sin[positions]  # [B, T, n_rot/2]
 
 
@@ -94,7 +96,7 @@ def attention_mask(positions: torch.Tensor, segments: torch.Tensor | None, windo
     """[B, 1, T, T] bool, True = may attend: causal by row order, within one segment (packed
     examples never see each other), and inside the sliding window when there is one."""
     T = positions.shape[1]
-    allowed = torch.ones(T, T, dtype=torch.bool).tril().unsqueeze(0)  # [1, T, T]
+    allowed = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().unsqueeze(0)  # [1, T, T]
     if segments is not None:
         allowed = allowed & (segments.unsqueeze(2) == segments.unsqueeze(1))
     if window:
@@ -184,6 +186,28 @@ class Transformer(nn.Module):
         self.rope_local = RotaryTable(spec.n_rot, spec.rope_base_swa, 1.0)
         self.compute_dtype = torch.float32
 
+    def to_device(self, device: torch.device) -> Transformer:
+        """Move frozen weights (plain attributes, not buffers) and buffers to `device`."""
+        tied = self.output is self.token_embd
+        self.token_embd = self.token_embd.to(device)
+        self.output = self.token_embd if tied else self.output.to(device)
+        for m in self.modules():
+            if isinstance(m, FrozenLinear):
+                m.weight = m.weight.to(device)
+        return self.to(device)
+
+    def frozen_weights(self) -> list[FrozenWeight]:
+        """Every base matrix once (a tied head is the embedding)."""
+        found = {id(self.token_embd): self.token_embd, id(self.output): self.output}
+        for m in self.modules():
+            if isinstance(m, FrozenLinear):
+                found[id(m.weight)] = m.weight
+        return list(found.values())
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_embd.data.device
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -196,7 +220,7 @@ class Transformer(nn.Module):
         not attend to each other (positions should then restart in each segment)."""
         B, T = tokens.shape
         if positions is None:
-            positions = torch.arange(T).expand(B, T)
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
         cdt = self.compute_dtype
         x = self.token_embd.rows(tokens, torch.float32) * self.spec.embed_scale  # [B, T, E]
         plain = segments is None

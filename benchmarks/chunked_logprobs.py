@@ -1,0 +1,135 @@
+"""Dense vs chunked token log-probs: forward+backward transient peak memory and time.
+
+    python benchmarks/chunked_logprobs.py [--heads f32,q8_0] [--cases smollm2,gemma3] [--repeats 2]
+
+Each (case, head, path) runs in a fresh subprocess, so one measurement's freed-but-cached memory
+cannot hide the next one's. In the child the inputs (head, hidden, ids) are allocated and a small
+problem of the same kind is run once to load libraries and compile kernels; the resident set size
+then is the baseline. The peak is the larger of a 1 ms psutil sampling thread's maximum and
+ru_maxrss (when ru_maxrss grew during the run), minus the baseline. Time is the best of
+`--repeats` forward+backward runs after that first, measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, VOCAB_TILE
+from retrograd.kernels.frozen import FrozenWeight
+
+MIB = 1 << 20
+CASES = {  # name -> (V, N, E)
+    "smollm2": (49152, 1024, 576),
+    "gemma3": (262144, 2048, 640),
+}
+
+
+def random_q8_0(n_rows: int, n_cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Valid Q8_0 rows without quantizing: per 32 values an f16 scale, then 32 int8 quants."""
+    blocks = n_rows * n_cols // 32
+    scales = (torch.rand(blocks, 1, generator=gen) * 0.002).to(torch.float16).view(torch.uint8)  # [B, 2]
+    quants = torch.randint(-127, 128, (blocks, 32), dtype=torch.int8, generator=gen).view(torch.uint8)  # [B, 32]
+    return torch.cat([scales, quants], dim=1).reshape(n_rows, -1)  # [V, E/32*34]
+
+
+def make_head(kind: str, n_vocab: int, n_embd: int, gen: torch.Generator) -> FrozenWeight:
+    if kind == "f32":
+        data = torch.randn(n_vocab, n_embd, generator=gen) * 0.05
+        return FrozenWeight("output.weight", data, QT.F32, (n_vocab, n_embd))
+    return FrozenWeight("output.weight", random_q8_0(n_vocab, n_embd, gen), QT.Q8_0, (n_vocab, n_embd))
+
+
+def step(path: str, head: FrozenWeight, hidden: torch.Tensor, ids: torch.Tensor) -> None:
+    hidden.grad = None
+    logprobs, _ = LOGPROB_PATHS[path](hidden, head, ids)
+    (-logprobs.sum()).backward()
+
+
+class PeakSampler(threading.Thread):
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.process = psutil.Process()
+        self.peak = self.process.memory_info().rss
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+def measure(case: str, head_kind: str, path: str, repeats: int) -> dict:
+    n_vocab, n_rows, n_embd = CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    head = make_head(head_kind, n_vocab, n_embd, gen)
+    hidden = torch.randn(n_rows, n_embd, generator=gen).requires_grad_()
+    ids = torch.randint(0, n_vocab, (n_rows, 1), generator=gen)
+    warm_head = make_head(head_kind, 2 * VOCAB_TILE, n_embd, gen)
+    step(path, warm_head, hidden[:64].detach().requires_grad_(), ids[:64] % (2 * VOCAB_TILE))
+    del warm_head
+
+    baseline = psutil.Process().memory_info().rss
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sampler = PeakSampler()
+    sampler.start()
+    t0 = time.perf_counter()
+    step(path, head, hidden, ids)
+    first = time.perf_counter() - t0
+    sampler.done.set()
+    sampler.join()
+    maxrss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = max(sampler.peak, maxrss_after if maxrss_after > maxrss_before else 0)
+
+    times = [first]
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step(path, head, hidden, ids)
+        times.append(time.perf_counter() - t0)
+    return {"peak_mib": (peak - baseline) / MIB, "seconds": min(times)}
+
+
+def run_child(case: str, head_kind: str, path: str, repeats: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", case, head_kind, path, "--repeats", str(repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--heads", default="f32")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs after the measured first one")
+    parser.add_argument("--child", nargs=3, metavar=("CASE", "HEAD", "PATH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(*args.child, args.repeats)))
+        return
+
+    print(f"threads={torch.get_num_threads()}  vocab_tile/token_chunk = library defaults  peak = RSS over baseline")
+    header = f"{'case':8} {'V':>7} {'N':>5} {'E':>4} {'head':5} | {'dense MiB':>9} {'chunk MiB':>9} {'ratio':>6} |"
+    print(header + f" {'dense s':>8} {'chunk s':>8} {'ratio':>6}")
+    print("-" * (len(header) + 26))
+    for case in args.cases.split(","):
+        n_vocab, n_rows, n_embd = CASES[case]
+        for head_kind in args.heads.split(","):
+            dense = run_child(case, head_kind, "dense", args.repeats)
+            chunked = run_child(case, head_kind, "chunked", args.repeats)
+            print(
+                f"{case:8} {n_vocab:>7} {n_rows:>5} {n_embd:>4} {head_kind:5} | "
+                f"{dense['peak_mib']:>9.0f} {chunked['peak_mib']:>9.1f} {dense['peak_mib'] / chunked['peak_mib']:>5.0f}x | "
+                f"{dense['seconds']:>8.2f} {chunked['seconds']:>8.2f} {chunked['seconds'] / dense['seconds']:>5.2f}x",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

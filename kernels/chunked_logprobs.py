@@ -1,0 +1,250 @@
+"""Log-probabilities of chosen token ids under a huge frozen output head, never as [N, V] logits.
+
+SFT cross-entropy, GRPO and distillation all need log_softmax(z)[n, ids[n, k]] with
+z = softcap(hidden @ W^T). Done densely at Gemma-3 scale (V = 262144, N = 2048) the float32
+logits alone take 2 GiB, and the softmax and its gradient as much again each. Here the
+vocabulary streams by in tiles and the tokens in chunks, so only one
+`token_chunk x vocab_tile` block of logits exists at a time:
+
+- forward: one pass over the head's tiles; each block's log-sum-exp is merged into a running
+  per-row one (online softmax), along with the entropy and top-k extras, and the logits of
+  the ids that fall in the tile are picked out.
+- backward: each block is recomputed from the saved per-row log-sum-exp (as in Cut Cross
+  Entropy, Wijmans et al. 2024), dz = scatter(g at ids) - (sum_k g_k) * softmax, and
+  grad_hidden += dz @ W_tile. Nothing of size V is saved between the passes.
+
+The tile loop sits outside the chunk loop, so a quantized head is dequantized once per pass
+(twice per training step), never once per token chunk. Matmuls run in `compute_dtype`;
+everything summed across tiles (log-sum-exp, entropy, grad_hidden) stays in float32 or wider.
+
+`dense_gather_logprobs` computes the same thing from materialised logits: the oracle for
+tests and the fallback (`LOGPROB_PATHS` picks one by name, as torchtune's and Liger's
+chunked losses keep a plain path beside the fused one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from retrograd.kernels.frozen import FrozenWeight
+
+# Default sizes, from a 64 MiB transient budget at Gemma-3's head (V = 262144, E = 640, N = 2048).
+# Alive at once: two float32 blocks of TOKEN_CHUNK x VOCAB_TILE (the logits and their exp in the
+# forward, their softmax-gradient in the backward) = 2 * 512 * 4096 * 4 B = 16 MiB, plus the
+# dequantized tile, VOCAB_TILE x E floats = 10 MiB, about three times that while a quantized tile
+# is being decoded. Peak ~ 8 * c * t + 12 * t * E bytes; benchmarks/chunked_logprobs.py measures it.
+VOCAB_TILE = 4096
+TOKEN_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class LogprobStats:
+    """Detached per-row extras of the full distribution; None when not asked for."""
+
+    entropy: torch.Tensor | None = None  # [N]
+    topk_ids: torch.Tensor | None = None  # [N, k], most likely first
+    topk_logprobs: torch.Tensor | None = None  # [N, k]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    compute_dtype: torch.dtype
+    softcap: float
+    vocab_tile: int
+    token_chunk: int
+    entropy: bool
+    topk: int
+
+    @property
+    def sum_dtype(self) -> torch.dtype:
+        """float32 for float32/bfloat16/float16 matmuls, float64 for float64 (gradcheck)."""
+        return torch.promote_types(self.compute_dtype, torch.float32)
+
+
+def _check(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _Plan) -> None:
+    n_vocab, n_embd = head.shape
+    assert hidden.dim() == 2 and hidden.shape[1] == n_embd, f"hidden {list(hidden.shape)} vs head {head}"
+    assert ids.dim() == 2 and ids.shape[0] == hidden.shape[0], f"ids {list(ids.shape)} vs hidden {list(hidden.shape)}"
+    assert ids.dtype == torch.long, f"ids must be int64, got {ids.dtype}"
+    assert ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < n_vocab), f"ids outside [0, {n_vocab})"
+    assert plan.softcap >= 0 and plan.vocab_tile > 0 and plan.token_chunk > 0, plan
+    assert 0 <= plan.topk <= n_vocab, f"topk {plan.topk} > vocab {n_vocab}"
+
+
+def _spans(total: int, step: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, total, step):
+        yield start, min(start + step, total)
+
+
+def _block_logits(hidden: torch.Tensor, tile: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """A fresh block softcap(hidden @ tile^T) in sum_dtype; tanh is applied in place."""
+    z = (hidden @ tile.T).to(plan.sum_dtype)  # [c, t]
+    if plan.softcap > 0:
+        z.div_(plan.softcap).tanh_().mul_(plan.softcap)
+    return z
+
+
+def _local_ids(ids: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column of each id inside the tile [start, start + width) (clamped) and whether it is there."""
+    local = ids - start  # [c, K]
+    inside = (local >= 0) & (local < width)  # [c, K]
+    return local.clamp(0, width - 1), inside
+
+
+def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _Plan):
+    """-> (logprobs [N, K], lse [N], LogprobStats), with one pass over the head's tiles."""
+    n_rows, n_ids = ids.shape
+    n_vocab = head.shape[0]
+    h = hidden.to(plan.compute_dtype)  # [N, E]
+    new = dict(dtype=plan.sum_dtype, device=hidden.device)
+    lse = torch.full((n_rows,), float("-inf"), **new)  # [N]
+    picked = torch.zeros(n_rows, n_ids, **new)  # [N, K] logits at ids
+    mean_logit = torch.zeros(n_rows, **new)  # [N] E_p[z], for the entropy lse - E_p[z]
+    top_vals = torch.full((n_rows, plan.topk), float("-inf"), **new)  # [N, k]
+    top_ids = torch.zeros(n_rows, plan.topk, dtype=torch.long, device=hidden.device)  # [N, k]
+
+    for start, stop in _spans(n_vocab, plan.vocab_tile):
+        tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
+        for r0, r1 in _spans(n_rows, plan.token_chunk):
+            z = _block_logits(h[r0:r1], tile, plan)  # [c, t]
+            peak = z.amax(1, keepdim=True)  # [c, 1]
+            e = (z - peak).exp_()  # [c, t]
+            mass = e.sum(1)  # [c]
+            block_lse = peak.squeeze(1) + mass.log()  # [c]
+            merged = torch.logaddexp(lse[r0:r1], block_lse)  # [c]
+            if plan.entropy:
+                block_mean = e.mul_(z).sum(1) / mass  # [c] E_p[z] within the block
+                mean_logit[r0:r1] = (
+                    mean_logit[r0:r1] * (lse[r0:r1] - merged).exp() + block_mean * (block_lse - merged).exp()
+                )
+            lse[r0:r1] = merged
+
+            local, inside = _local_ids(ids[r0:r1], start, stop - start)  # [c, K]
+            picked[r0:r1] = torch.where(inside, z.gather(1, local), picked[r0:r1])
+
+            if plan.topk:
+                vals, cols = z.topk(min(plan.topk, stop - start), dim=1)  # [c, k']
+                cand_vals = torch.cat([top_vals[r0:r1], vals], dim=1)  # [c, k + k']
+                cand_ids = torch.cat([top_ids[r0:r1], cols + start], dim=1)  # [c, k + k']
+                best_vals, best = cand_vals.topk(plan.topk, dim=1)  # [c, k]
+                top_vals[r0:r1], top_ids[r0:r1] = best_vals, cand_ids.gather(1, best)
+
+    stats = LogprobStats(
+        entropy=lse - mean_logit if plan.entropy else None,
+        topk_ids=top_ids if plan.topk else None,
+        topk_logprobs=top_vals - lse[:, None] if plan.topk else None,
+    )
+    return picked - lse[:, None], lse, stats
+
+
+def _stream_backward(
+    hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, plan: _Plan
+) -> torch.Tensor:
+    """d(sum grad * logprobs)/d hidden -> [N, E], recomputing each block of logits."""
+    n_rows = ids.shape[0]
+    h = hidden.to(plan.compute_dtype)  # [N, E]
+    g = grad.to(plan.sum_dtype)  # [N, K]
+    g_total = g.sum(1, keepdim=True)  # [N, 1]
+    grad_hidden = torch.zeros(hidden.shape, dtype=plan.sum_dtype, device=hidden.device)  # [N, E]
+
+    for start, stop in _spans(head.shape[0], plan.vocab_tile):
+        tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
+        for r0, r1 in _spans(n_rows, plan.token_chunk):
+            z = _block_logits(h[r0:r1], tile, plan)  # [c, t] after softcap
+            dz = (z - lse[r0:r1, None]).exp_().mul_(-g_total[r0:r1])  # [c, t] -(sum_k g_k) softmax
+            local, inside = _local_ids(ids[r0:r1], start, stop - start)  # [c, K]
+            dz.scatter_add_(1, local, torch.where(inside, g[r0:r1], 0.0))  # + g at ids
+            if plan.softcap > 0:  # d(cap tanh(x/cap))/dx = 1 - tanh^2
+                dz.mul_(z.div_(plan.softcap).square_().neg_().add_(1.0))
+            grad_hidden[r0:r1] += (dz.to(plan.compute_dtype) @ tile).to(plan.sum_dtype)  # [c, E]
+    return grad_hidden.to(hidden.dtype)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Outputs (logprobs, entropy, topk_ids, topk_logprobs); only logprobs is differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _Plan):
+        logprobs, lse, stats = _stream_forward(hidden, head, ids, plan)
+        ctx.save_for_backward(hidden, ids, lse)
+        ctx.head, ctx.plan = head, plan
+        extras = (stats.entropy, stats.topk_ids, stats.topk_logprobs)
+        ctx.mark_non_differentiable(*(t for t in extras if t is not None))
+        return logprobs, *extras
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprobs: torch.Tensor, *_extras):
+        hidden, ids, lse = ctx.saved_tensors
+        return _stream_backward(hidden, ctx.head, ids, lse, grad_logprobs, ctx.plan), None, None, None
+
+
+def gather_logprobs(
+    hidden: torch.Tensor,
+    head: FrozenWeight,
+    ids: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    softcap: float = 0.0,
+    vocab_tile: int = VOCAB_TILE,
+    token_chunk: int = TOKEN_CHUNK,
+    entropy: bool = False,
+    topk: int = 0,
+) -> tuple[torch.Tensor, LogprobStats]:
+    """log_softmax(softcap(hidden @ W^T))[n, ids[n, k]] -> ([N, K], stats), streamed over tiles.
+
+    hidden `[N, E]` holds only the positions that carry loss; ids `[N, K]` may repeat. The result
+    is differentiable w.r.t. hidden; the head gets no gradient. softcap > 0 means z -> cap*tanh(z/cap).
+    """
+    plan = _Plan(compute_dtype, float(softcap), vocab_tile, token_chunk, entropy, topk)
+    _check(hidden, head, ids, plan)
+    logprobs, *extras = _ChunkedLogprobs.apply(hidden, head, ids, plan)
+    return logprobs, LogprobStats(*extras)
+
+
+def dense_gather_logprobs(
+    hidden: torch.Tensor,
+    head: FrozenWeight,
+    ids: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    softcap: float = 0.0,
+    vocab_tile: int = VOCAB_TILE,
+    token_chunk: int = TOKEN_CHUNK,
+    entropy: bool = False,
+    topk: int = 0,
+) -> tuple[torch.Tensor, LogprobStats]:
+    """The same result from materialised `[N, V]` logits (plain autograd).
+
+    Takes the tiling arguments only so the two paths are interchangeable; it ignores them.
+    """
+    plan = _Plan(compute_dtype, float(softcap), vocab_tile, token_chunk, entropy, topk)
+    _check(hidden, head, ids, plan)
+    z = (hidden.to(compute_dtype) @ head.dense(compute_dtype).to(hidden.device).T).to(plan.sum_dtype)  # [N, V]
+    if plan.softcap > 0:
+        z = plan.softcap * torch.tanh(z / plan.softcap)
+    logp = torch.log_softmax(z, dim=-1)  # [N, V]
+    full = logp.detach()  # [N, V]
+    top_logprobs, top_ids = full.topk(topk, dim=-1)  # [N, k]
+    stats = LogprobStats(
+        entropy=-(full.exp() * full).sum(-1) if entropy else None,
+        topk_ids=top_ids if topk else None,
+        topk_logprobs=top_logprobs if topk else None,
+    )
+    return logp.gather(1, ids), stats
+
+
+LogprobFn = Callable[..., tuple[torch.Tensor, LogprobStats]]
+LOGPROB_PATHS: dict[str, LogprobFn] = {"chunked": gather_logprobs, "dense": dense_gather_logprobs}
+
+
+def token_logprobs(
+    hidden: torch.Tensor, head: FrozenWeight, targets: torch.Tensor, *, path: str = "chunked", **kw
+) -> tuple[torch.Tensor, LogprobStats]:
+    """One target per row (SFT, GRPO): targets `[N]` -> (logprobs `[N]`, stats)."""
+    logprobs, stats = LOGPROB_PATHS[path](hidden, head, targets[:, None], **kw)  # [N, 1]
+    return logprobs[:, 0], stats

@@ -1,0 +1,102 @@
+"""`retrograd inspect`: what a GGUF file holds and how we would train on it, without
+loading weights."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from retrograd.device import describe
+from retrograd.gguf.file import GGUFFile
+from retrograd.gguf.spec import ModelSpec, read_spec
+from retrograd.kernels.dequant import CODECS
+from retrograd.lora import DEFAULT_TARGETS, TARGET_ALIASES
+
+
+@dataclass(frozen=True)
+class TensorTypeRow:
+    qtype: str
+    count: int
+    n_bytes: int
+    handling: str  # how the frozen base keeps it
+
+
+@dataclass(frozen=True)
+class CapabilityReport:
+    path: Path
+    file_size: int
+    spec: ModelSpec
+    n_params: int
+    tensor_types: tuple[TensorTypeRow, ...]
+    lora_targets: tuple[tuple[str, int], ...]  # (alias, weights matched)
+    device: str
+
+    def lines(self) -> list[str]:
+        s = self.spec
+        rope = f"{s.rope_style}, base {s.rope_base:g}, {s.n_rot} dims"
+        if s.rope_freq_scale != 1.0:
+            rope += f", linear scale {1 / s.rope_freq_scale:g}"
+        out = [
+            f"model          {self.path}",
+            f"file size      {_mib(self.file_size)}",
+            f"architecture   {s.arch} ({s.name})",
+            f"parameters     {self.n_params:,} ({self.n_params / 1e6:.1f} M)",
+            f"layers         {s.n_layer}",
+            f"heads          {s.n_head} query / {s.n_head_kv} key-value, head size {s.head_dim}",
+            f"dimensions     embedding {s.n_embd}, feed-forward {s.n_ff} ({s.ffn_act})",
+            f"context        {s.context_length} tokens",
+            f"vocabulary     {s.n_vocab} tokens",
+            f"rope           {rope}",
+        ]
+        if s.sliding_window:
+            out.append(f"attention      sliding window {s.sliding_window} on {sum(s.swa_layers)} of {s.n_layer} layers")
+        out += [
+            f"output head    {'tied to token_embd' if s.tied_output else 'output.weight'}",
+            f"chat template  {'present' if s.chat_template else 'absent (chat data needs a template)'}",
+            "tensor types",
+        ]
+        for r in self.tensor_types:
+            out.append(f"  {r.qtype:<6} {r.count:>5} tensors {_mib(r.n_bytes):>11}  {r.handling}")
+        targets = ", ".join(f"{alias} ({n})" for alias, n in self.lora_targets)
+        out += [f"lora targets   {targets}", f"device         {self.device}"]
+        return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _handling(qtype, ndim: int) -> str:
+    if ndim == 1:
+        return "float32 vector"
+    if qtype.name in ("F32", "F16", "BF16"):
+        return "used as stored"
+    return "kept in blocks, dequantized per matmul" if qtype in CODECS else "dequantized once at load"
+
+
+def inspect_model(path: Path, device: torch.device) -> CapabilityReport:
+    f = GGUFFile(path)
+    spec = read_spec(f)
+    counts: Counter = Counter()
+    sizes: Counter = Counter()
+    handling = {}
+    n_params = 0
+    for t in f.tensors.values():
+        counts[t.qtype.name] += 1
+        sizes[t.qtype.name] += t.n_bytes
+        handling.setdefault(t.qtype.name, set()).add(_handling(t.qtype, len(t.shape)))
+        n = 1
+        for d in t.shape:
+            n *= d
+        n_params += n
+    rows = tuple(
+        TensorTypeRow(q, counts[q], sizes[q], "; ".join(sorted(handling[q]))) for q in sorted(counts, key=lambda q: -sizes[q])
+    )
+    targets = tuple(
+        (alias, sum(1 for name in f.tensors if name.startswith("blk.") and name.endswith(f".{TARGET_ALIASES[alias]}.weight")))
+        for alias in DEFAULT_TARGETS
+    )
+    return CapabilityReport(path, f.size, spec, n_params, rows, targets, describe(device))

@@ -1,0 +1,36 @@
+"""The `retrograd` command. Each command module registers itself on `app`; `main` turns a
+RetrogradError into one `error: ...` line on stderr and exit code 2 (RETROGRAD_DEBUG=1
+shows the traceback)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from retrograd.errors import RetrogradError
+
+app = typer.Typer(
+    name="retrograd",
+    help="Fine-tune the GGUF model you already run: LoRA on the frozen base, exported for llama.cpp.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+from retrograd.cli import model as _model  # noqa: E402,F401  (registers inspect, preflight)
+
+
+def main() -> None:
+    try:
+        app()
+    except RetrogradError as e:
+        if os.environ.get("RETROGRAD_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,18 @@
+"""Options shared by several commands, defined once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+ModelOpt = Annotated[
+    Optional[Path],
+    typer.Option("--model", "-m", help="Base GGUF file (default: [model].path, else the bundled SmolLM2-135M-Instruct Q4_1)."),
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (a CUDA GPU if torch sees one), cpu or gpu.")]
+WeightsOpt = Annotated[
+    str, typer.Option("--weights", help="quantized (keep GGUF blocks, dequantize per matmul), bf16 or f32 (dequantize once).")
+]
+ComputeOpt = Annotated[str, typer.Option("--compute-dtype", help="Matmul precision: f32 or bf16.")]

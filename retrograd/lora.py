@@ -1,0 +1,146 @@
+"""LoRA on the frozen linears: target selection, the LoRALinear wrapper, and the Adapter
+that lists every adapted weight under its GGUF tensor name.
+
+Initialisation follows PEFT (A ~ kaiming-uniform, B = 0), so step 0 equals the base model
+exactly. `Adapter.disabled()` switches every LoRA off at once: with the base frozen, that
+is the reference model GRPO and distillation need, with no second copy in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from retrograd.errors import ConfigError
+from retrograd.model.transformer import FrozenLinear, Transformer
+
+# config alias -> GGUF tensor family (blk.N.<family>.weight)
+TARGET_ALIASES = {
+    "q": "attn_q",
+    "k": "attn_k",
+    "v": "attn_v",
+    "o": "attn_output",
+    "ffn_up": "ffn_up",
+    "ffn_down": "ffn_down",
+    "ffn_gate": "ffn_gate",
+}
+DEFAULT_TARGETS = tuple(TARGET_ALIASES)
+
+
+def frozen_linears(model: Transformer) -> dict[str, tuple[nn.Module, str, FrozenLinear]]:
+    """GGUF weight name -> (parent module, attribute, FrozenLinear) for every base linear."""
+    found = {}
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, FrozenLinear):
+                found[child.weight.name] = (parent, attr, child)
+    return found
+
+
+def resolve_targets(targets: list[str] | tuple[str, ...], weight_names: list[str]) -> list[str]:
+    """Config targets -> sorted GGUF weight names. Aliases (q, k, v, o, ffn_up, ffn_down,
+    ffn_gate) pick a family in every block; an entry with `*` or ending in `.weight` is a
+    literal glob over GGUF names; ["auto"] means every attention and FFN projection."""
+    targets = list(targets)
+    if targets == ["auto"]:
+        targets = list(DEFAULT_TARGETS)
+    elif "auto" in targets:
+        raise ConfigError('lora.targets: "auto" must stand alone')
+    chosen: set[str] = set()
+    for t in targets:
+        if t in TARGET_ALIASES:
+            pattern = f"blk.*.{TARGET_ALIASES[t]}.weight"
+        elif "*" in t or t.endswith(".weight"):
+            pattern = t
+        else:
+            hint = difflib.get_close_matches(t, list(TARGET_ALIASES) + ["auto"], n=1)
+            did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(
+                f"lora.targets: unknown target {t!r}{did_you_mean}; use {', '.join(TARGET_ALIASES)}, "
+                "auto, or a GGUF name pattern such as 'blk.*.attn_q.weight'"
+            )
+        matched = fnmatch.filter(weight_names, pattern)
+        if not matched:
+            raise ConfigError(f"lora.targets: {t!r} matches no trainable weight of this model (pattern {pattern})")
+        chosen.update(matched)
+    return sorted(chosen, key=_natural)
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+class LoRALinear(nn.Module):
+    """base(x) + (alpha / r) * B(A(x)); A [r, n_in], B [n_out, r] held in float32."""
+
+    def __init__(self, base: FrozenLinear, rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.base = base
+        self.rank, self.alpha = rank, alpha
+        self.scale = alpha / rank
+        a = torch.empty(rank, base.in_features)
+        bound = 1.0 / math.sqrt(base.in_features)  # kaiming_uniform_(a=sqrt(5)), as PEFT and nn.Linear
+        a.uniform_(-bound, bound, generator=generator)
+        self.lora_a = nn.Parameter(a)
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.enabled = True
+
+    @property
+    def weight_name(self) -> str:
+        return self.base.weight.name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.enabled:
+            return y
+        delta = F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))
+        return y + delta * self.scale
+
+
+@dataclass
+class Adapter:
+    """The adapted linears of one model, by GGUF weight name (the names the export uses)."""
+
+    layers: dict[str, LoRALinear]
+    rank: int
+    alpha: float
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers.values() for p in (layer.lora_a, layer.lora_b)]
+
+    def n_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """Run the base model: every LoRA off inside the block."""
+        for layer in self.layers.values():
+            layer.enabled = False
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer.enabled = True
+
+
+def attach_lora(model: Transformer, targets, rank: int, alpha: float, seed: int) -> Adapter:
+    """Wrap the targeted frozen linears of `model` in place and return the Adapter."""
+    if rank < 1:
+        raise ConfigError(f"lora.rank: {rank} is not a positive integer")
+    linears = frozen_linears(model)
+    names = resolve_targets(targets, list(linears))
+    generator = torch.Generator().manual_seed(seed)
+    layers = {}
+    for name in names:  # sorted: the same seed gives the same initial weights every time
+        parent, attr, base = linears[name]
+        layer = LoRALinear(base, rank, alpha, generator).to(base.weight.data.device)
+        setattr(parent, attr, layer)
+        layers[name] = layer
+    return Adapter(layers, rank, alpha)

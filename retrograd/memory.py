@@ -1,0 +1,67 @@
+"""Memory: measured peaks (host RSS, CUDA allocator) and the estimates preflight prints."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+import torch
+
+from retrograd.gguf.spec import ModelSpec
+
+
+def rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+class PeakMemory:
+    """Context manager sampling this process's RSS every `interval` seconds (and the CUDA
+    allocator's peak on a GPU): `.peak_rss`, `.rss_increase`, `.cuda_peak` afterwards."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self.baseline = self.peak_rss = 0
+        self.cuda_peak: int | None = None
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.baseline = self.peak_rss = rss_bytes()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak_rss = max(self.peak_rss, rss_bytes())
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_rss = max(self.peak_rss, rss_bytes())
+        if torch.cuda.is_available():
+            self.cuda_peak = torch.cuda.max_memory_allocated()
+        return False
+
+    @property
+    def rss_increase(self) -> int:
+        return self.peak_rss - self.baseline
+
+
+def activation_bytes(spec: ModelSpec, tokens: int, compute_bytes: int, lora_rank: int = 0) -> int:
+    """Tensors autograd keeps for backward in one forward over `tokens` tokens, counted from
+    what our Block saves (float32 residual stream and norms, matmul inputs and outputs in the
+    compute dtype, the SDPA inputs/output and its log-sum-exp) — an estimate, not a bound."""
+    E, F, D, H, K = spec.n_embd, spec.n_ff, spec.head_dim, spec.n_head, spec.n_head_kv
+    f, c = 4, compute_bytes
+    norms = 2 * (2 * E * f + E * c)  # two pre-norms: input, normalised output, cast copy
+    if spec.sandwich_norm:
+        norms += 2 * 2 * E * f
+    qk = (H + K) * D * f * (2 if spec.qk_norm else 1)  # float32 q/k around RoPE (and qk norms)
+    attn = (H + 2 * K) * D * c + 2 * H * D * c + H * f  # SDPA q, k, v, output (+ its copy), lse
+    ffn = 4 * F * c + E * f  # gate, act(gate), up, product; down output
+    lora = 7 * lora_rank * c
+    return tokens * spec.n_layer * (norms + qk + attn + ffn + lora)

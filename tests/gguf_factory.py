@@ -1,0 +1,138 @@
+"""Write small GGUF models for tests with the gguf writer: random tiny models of each
+supported architecture (borrowing SmolLM2's real vocabulary so llama.cpp can load them),
+and dequantized or requantized copies of real models."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from retrograd.bundled import default_model_path
+
+# name -> (arch, hyperparameters); each exercises the features of its architecture
+TINY_ARCHS = {
+    "llama": dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=False),
+    "qwen2": dict(arch="qwen2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=True, bias=True),
+    # qwen3: head size 32 != n_embd / n_head = 16, q/k norms
+    "qwen3": dict(arch="qwen3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=True, qk_norm=True),
+    # gemma3: six layers so the pattern has five sliding-window layers and one global one;
+    # a window of 16 tokens binds inside a 256-token test
+    "gemma3": dict(arch="gemma3", n_layer=6, n_embd=64, n_head=4, n_head_kv=1, head_dim=32, n_ff=128, tied=True, qk_norm=True, window=16),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _vocab() -> dict:
+    r = gguf.GGUFReader(default_model_path())
+    f = r.fields
+    return {
+        "tokens": f["tokenizer.ggml.tokens"].contents(),
+        "token_type": f["tokenizer.ggml.token_type"].contents(),
+        "merges": f["tokenizer.ggml.merges"].contents(),
+        "chat_template": f["tokenizer.chat_template"].contents(),
+    }
+
+
+def _add_vocab(w: gguf.GGUFWriter) -> int:
+    v = _vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(v["tokens"])
+    w.add_token_types(v["token_type"])
+    w.add_token_merges(v["merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(v["chat_template"])
+    return len(v["tokens"])
+
+
+def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32) -> Path:
+    """A random model of TINY_ARCHS[name]; matrices stored as `qtype` (F32 by default)."""
+    h = TINY_ARCHS[name]
+    arch, E, D, F = h["arch"], h["n_embd"], h["head_dim"], h["n_ff"]
+    H, K, L = h["n_head"], h["n_head_kv"], h["n_layer"]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{name}")
+    n_vocab = _add_vocab(w)
+    w.add_context_length(2048)
+    w.add_embedding_length(E)
+    w.add_block_count(L)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(K)
+    w.add_key_length(D)
+    w.add_value_length(D)
+    w.add_rope_dimension_count(D)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    if h.get("window"):
+        w.add_sliding_window(h["window"])
+
+    def mat(rows, cols, gain=1.0):
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def vec(n, around=1.0, spread=0.1):
+        return (around + spread * rng.standard_normal(n)).astype(np.float32)
+
+    def put(name_, arr):
+        if arr.ndim == 2 and qtype != QT.F32:
+            w.add_tensor(name_, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name_, arr)
+
+    put("token_embd.weight", rng.standard_normal((n_vocab, E)).astype(np.float32))
+    w.add_tensor("output_norm.weight", vec(E))
+    if not h["tied"]:
+        put("output.weight", mat(n_vocab, E, gain=3.0))
+    for i in range(L):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", vec(E))
+        put(p + "attn_q.weight", mat(H * D, E, 2.0))
+        put(p + "attn_k.weight", mat(K * D, E, 2.0))
+        put(p + "attn_v.weight", mat(K * D, E))
+        put(p + "attn_output.weight", mat(E, H * D))
+        if h.get("bias"):
+            for t, n in (("q", H * D), ("k", K * D), ("v", K * D)):
+                w.add_tensor(p + f"attn_{t}.bias", vec(n, 0.0, 0.5))
+        if h.get("qk_norm"):
+            w.add_tensor(p + "attn_q_norm.weight", vec(D))
+            w.add_tensor(p + "attn_k_norm.weight", vec(D))
+        w.add_tensor(p + "ffn_norm.weight", vec(E))
+        put(p + "ffn_gate.weight", mat(F, E))
+        put(p + "ffn_up.weight", mat(F, E))
+        put(p + "ffn_down.weight", mat(E, F))
+        if arch == "gemma3":
+            w.add_tensor(p + "post_attention_norm.weight", vec(E))
+            w.add_tensor(p + "post_ffw_norm.weight", vec(E))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_f32_copy(src: Path, dst: Path) -> Path:
+    """The same model with every tensor dequantized to F32 (metadata copied unchanged)."""
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
+    for t in r.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w.add_tensor(t.name, np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

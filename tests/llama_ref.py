@@ -1,0 +1,33 @@
+"""Reference logits from llama.cpp itself (llama-cpp-python), for parity tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from retrograd.llamacpp import llama_cpp
+
+F32 = 0  # GGML_TYPE_F32, for type_k / type_v
+
+
+def llama_logits(path, ids: list[int], *, lora_path=None, kv_f32: bool = True) -> torch.Tensor:
+    """llama.cpp's logits [len(ids), n_vocab] for one sequence evaluated in one batch."""
+    n = len(ids)
+    kv = dict(type_k=F32, type_v=F32) if kv_f32 else {}
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=max(n, 64), n_batch=n, n_ubatch=n, logits_all=True,
+        verbose=False, n_threads=2, lora_path=str(lora_path) if lora_path else None, **kv,
+    )
+    try:
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[:n], dtype=np.float32))
+    finally:
+        llm.close()
+
+
+def agreement(reference: torch.Tensor, ours: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(reference || ours), top-1 agreement) over positions."""
+    lp_ref, lp = reference.log_softmax(-1), ours.float().log_softmax(-1)
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1)
+    top1 = (reference.argmax(-1) == ours.argmax(-1)).float().mean()
+    return kl.mean().item(), top1.item()
