@@ -27,8 +27,14 @@ ECHOED = ("_retrograd_batch", "_retrograd_index")
 _OPERATOR = r"\s*([-+*/×÷])\s*"
 _EXPRESSION = re.compile(rf"(-?\d+){_OPERATOR}(-?\d+)(?:{_OPERATOR}(-?\d+))?")
 _INTEGER = re.compile(r"-?\d+")
-_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "×": operator.mul,
-          "/": operator.truediv, "÷": operator.truediv}
+_APPLY = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "×": operator.mul,
+    "/": operator.truediv,
+    "÷": operator.truediv,
+}
 _BINDS_TIGHT = {"*", "×", "/", "÷"}
 
 

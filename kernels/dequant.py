@@ -186,21 +186,18 @@ def _compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
 
 
-_compiled: dict[tuple[QT, torch.dtype], Callable] = {}
+_compiled: dict[QT, Callable[[torch.Tensor], torch.Tensor]] = {}
 
 
-def _kernel(qtype: QT, dtype: torch.dtype, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    codec = CODECS[qtype]
-
-    def eager(blocks):
-        return codec.dequantize_blocks(blocks).to(dtype)
-
+def _blocks_fn(qtype: QT, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The codec, compiled once per type on the CPU (the cast to the compute dtype stays
+    outside: compiled float32 plus an eager cast measured faster than a compiled bf16 kernel)."""
+    fn = CODECS[qtype].dequantize_blocks
     if device.type != "cpu" or not _compiler_available() or qtype in (QT.F32, QT.F16, QT.BF16):
-        return eager
-    key = (qtype, dtype)
-    if key not in _compiled:
-        _compiled[key] = torch.compile(eager, dynamic=True, fullgraph=True)
-    return _compiled[key]
+        return fn
+    if qtype not in _compiled:
+        _compiled[qtype] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _compiled[qtype]
 
 
 def dequantize(
@@ -219,8 +216,8 @@ def dequantize(
     if codec is None:
         raise ValueError(f"no torch dequantizer for {qtype.name}; supported: {supported_names()}")
     blocks = raw.reshape(-1, codec.type_size)
-    fn = _kernel(qtype, dtype, raw.device) if compiled else (lambda b: codec.dequantize_blocks(b).to(dtype))
-    return fn(blocks).reshape(shape)
+    fn = _blocks_fn(qtype, raw.device) if compiled else codec.dequantize_blocks
+    return fn(blocks).to(dtype).reshape(shape)
 
 
 def supported_names() -> str:

@@ -12,6 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from retrograd.bundled import default_model_path
+from retrograd.gguf.file import GGUFFile
 
 # name -> (arch, hyperparameters); each exercises the features of its architecture
 TINY_ARCHS = {
@@ -27,14 +28,9 @@ TINY_ARCHS = {
 
 @functools.lru_cache(maxsize=1)
 def _vocab() -> dict:
-    r = gguf.GGUFReader(default_model_path())
-    f = r.fields
-    return {
-        "tokens": f["tokenizer.ggml.tokens"].contents(),
-        "token_type": f["tokenizer.ggml.token_type"].contents(),
-        "merges": f["tokenizer.ggml.merges"].contents(),
-        "chat_template": f["tokenizer.chat_template"].contents(),
-    }
+    f = GGUFFile(default_model_path())
+    keys = ("tokens", "token_type", "merges")
+    return {k: f.get(f"tokenizer.ggml.{k}") for k in keys} | {"chat_template": f.get("tokenizer.chat_template")}
 
 
 def _add_vocab(w: gguf.GGUFWriter) -> int:

@@ -41,7 +41,11 @@ def reference(baseline: str, scale: str) -> torch.Tensor:
         for i, r in members:
             others = [v for j, v in members if j != i]
             centred = r - sum(others) / len(others) if baseline == "leave_one_out" else r - sum(values) / len(values)
-            divisor = {"none": 1.0, "group": statistics.stdev(values) + 1e-4, "batch": statistics.stdev(every_live) + 1e-4}
+            divisor = {
+                "none": 1.0,
+                "group": statistics.stdev(values) + 1e-4,
+                "batch": statistics.stdev(every_live) + 1e-4,
+            }
             out[g, i] = centred / divisor[scale]
     return out
 
@@ -92,9 +96,7 @@ def test_dead_groups_get_zero_and_are_reported():
         ],
         dtype=torch.float64,
     )
-    live = torch.tensor(
-        [[0, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool
-    )
+    live = torch.tensor([[0, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
     for scale in ("none", "group", "batch"):
         result = group_advantages(rewards, live, baseline="leave_one_out", scale_rewards=scale)
         assert result.dead.tolist() == [True, True, True, True, False]
@@ -116,7 +118,9 @@ def test_diagnostics_follow_live_members():
     assert (d["reward/min"], d["reward/max"]) == (min(live), max(live))
     group_stds = [statistics.stdev([r for _, r in live_values(g)]) for g in range(4)]
     assert d["reward/group_std"] == pytest.approx(statistics.mean(group_stds))
-    assert d["batch/advantage_abs_mean"] == pytest.approx(statistics.mean(abs(a) for a in reference("mean", "none")[LIVE].tolist()))
+    assert d["batch/advantage_abs_mean"] == pytest.approx(
+        statistics.mean(abs(a) for a in reference("mean", "none")[LIVE].tolist())
+    )
     assert d["batch/trained_fraction"] == pytest.approx(14 / 16)
 
 

@@ -17,11 +17,13 @@ LOW, HIGH = 0.2, 0.28
 
 
 def fixed_batch(seed: int = 0, spread: float = 0.4) -> dict[str, torch.Tensor]:
-    """Float64 logprobs with ratios on both sides of the clip range, mixed-sign
-    advantages, rows of different lengths, and garbage (NaN) outside the mask."""
+    """Float64 logprobs with ratios on both sides of the clip range (a per-row drift
+    so that sequence ratios clip too), mixed-sign advantages, rows of different
+    lengths, and garbage (NaN) outside the mask."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.1  # [B, T]
-    logp = old + torch.randn(B, T, generator=g, dtype=torch.float64) * spread  # [B, T]
+    drift = torch.tensor([[0.3], [-0.3], [0.0], [-0.25]], dtype=torch.float64)  # [B, 1]
+    logp = old + drift + torch.randn(B, T, generator=g, dtype=torch.float64) * spread  # [B, T]
     mask = torch.tensor(
         [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.bool
     )
@@ -72,7 +74,9 @@ def reference_loss(data, advantages, level, normalization, beta=0.0, tis_cap=Non
 
 
 def ours(data, advantages, level, normalization, beta=0.0, tis_cap=None, rows=slice(None), logp=None):
-    options = PolicyLossOptions(LOW, HIGH, importance_sampling_level=level, loss_normalization=normalization, tis_cap=tis_cap)
+    options = PolicyLossOptions(
+        LOW, HIGH, importance_sampling_level=level, loss_normalization=normalization, tis_cap=tis_cap
+    )
     counts = MinibatchCounts.of([data["mask"]], BUDGET)
     return policy_loss(
         (data["logp"] if logp is None else logp)[rows],
@@ -121,7 +125,9 @@ def test_micro_batches_accumulate_to_the_one_call_gradient(level, normalization)
     """Split the minibatch 1 + 3 rows, the second micro-batch trimmed to its own width,
     with the counts of the whole minibatch: summed losses and gradients equal one call."""
     data = fixed_batch(seed=1)
-    options = PolicyLossOptions(LOW, HIGH, importance_sampling_level=level, loss_normalization=normalization, tis_cap=2.0)
+    options = PolicyLossOptions(
+        LOW, HIGH, importance_sampling_level=level, loss_normalization=normalization, tis_cap=2.0
+    )
     parts = [(slice(0, 1), slice(None)), (slice(1, 4), slice(0, 5))]
     counts = MinibatchCounts.of([data["mask"][r, c] for r, c in parts], BUDGET)
     assert counts == MinibatchCounts(4, int(data["mask"].sum()), BUDGET)
@@ -163,8 +169,8 @@ def test_gspo_ratio_is_the_exp_of_the_mean_log_ratio():
     s = math.exp((0.3 - 0.1 + 0.4) / 3)  # the masked 9.0 does not count
     assert diag["policy/ratio_min"] == pytest.approx(s) and diag["policy/ratio_max"] == pytest.approx(s)
     assert loss.item() == pytest.approx(-s)  # three tokens of -A s, divided by 3 tokens
-    loss.backward()  # d/dlogp_t of -(1/3) sum_t s = -s/3 * 1/3 per live token
-    torch.testing.assert_close(logp.grad, torch.tensor([[-s / 9, -s / 9, -s / 9, 0.0]], dtype=torch.float64))
+    loss.backward()  # loss = -(1/3) * 3 s and ds/dlogp_t = s/3 for each live token
+    torch.testing.assert_close(logp.grad, torch.tensor([[-s / 3, -s / 3, -s / 3, 0.0]], dtype=torch.float64))
 
 
 def test_log_ratios_are_clamped_at_ten():
@@ -173,7 +179,8 @@ def test_log_ratios_are_clamped_at_ten():
     old = torch.zeros(1, 2, dtype=torch.float64)
     options = PolicyLossOptions(LOW, HIGH)
     _, diag = policy_loss(logp, old, torch.tensor([1.0]), mask, MinibatchCounts(1, 2, 2), options)
-    assert diag["policy/ratio_max"] == pytest.approx(math.exp(10)) and diag["policy/ratio_min"] == pytest.approx(math.exp(-10))
+    assert diag["policy/ratio_max"] == pytest.approx(math.exp(10))
+    assert diag["policy/ratio_min"] == pytest.approx(math.exp(-10))
     seq = PolicyLossOptions(LOW, HIGH, importance_sampling_level="sequence")
     _, diag = policy_loss(logp * 2, old, torch.tensor([1.0]), mask, MinibatchCounts(1, 2, 2), seq)
     assert diag["policy/ratio_max"] == pytest.approx(math.exp(1))  # mean of 28 and -26
@@ -259,7 +266,7 @@ def test_matches_trl_formula(loss_type, normalization, level, tis_cap):
     is_ratio = torch.ones(B, T, dtype=torch.float64)
     if tis_cap is not None:  # TRL: exp(old - sampling logps), truncated at the cap
         is_ratio = torch.nan_to_num(data["old"] - data["sampler"]).exp().clamp(max=tis_cap)
-    for adv_key in ("adv", "token_adv"):
+    for adv_key in ("token_adv", "adv"):
         logp_trl = data["logp"].clone().requires_grad_(True)
         expected = trl_loss({**data, "logp": logp_trl}, data[adv_key], level, loss_type, 0.04, is_ratio)
         (expected_grad,) = torch.autograd.grad(expected, logp_trl)
@@ -274,7 +281,7 @@ def test_matches_trl_formula(loss_type, normalization, level, tis_cap):
     if level == "sequence":
         ratio = ((data["logp"] - data["old"]).nan_to_num() * live).sum(-1, keepdim=True) / live.sum(-1, keepdim=True)
         ratio = ratio.exp().expand(B, T)
-    a = data["token_adv"]
+    a = data["adv"][:, None]  # the last call's advantages
     low = ((ratio < 1 - LOW) & (a < 0))[live].double().mean().item()
     high = ((ratio > 1 + HIGH) & (a > 0))[live].double().mean().item()
     assert diag["policy/clip_low_fraction"] == pytest.approx(low)
@@ -287,9 +294,8 @@ def test_kl_is_k3_clamped_at_five():
     mask = torch.ones(1, 3, dtype=torch.bool)
     logp = torch.zeros(1, 3, dtype=torch.float64)
     ref = torch.tensor([[0.5, -7.0, 6.0]], dtype=torch.float64)
-    _, diag = policy_loss(
-        logp, logp, torch.tensor([0.0]), mask, MinibatchCounts(1, 3, 3), PolicyLossOptions(LOW, HIGH), beta=1.0, ref_logp=ref
-    )
+    counts, options = MinibatchCounts(1, 3, 3), PolicyLossOptions(LOW, HIGH)
+    _, diag = policy_loss(logp, logp, torch.tensor([0.0]), mask, counts, options, beta=1.0, ref_logp=ref)
     expected = sum(math.exp(d) - d - 1 for d in (0.5, -5.0, 5.0)) / 3
     assert diag["policy/kl"] == pytest.approx(expected)
 

@@ -85,7 +85,9 @@ def test_failed_persistent_batch_kills_the_worker_and_the_next_starts_fresh(tmp_
     argv, pidfile = misbehaving(tmp_path, "counter")
     with make_reward(command=argv, timeout_seconds=20) as reward:
         assert reward.score(["a", "b"], ["x", "y"]) == [1.0, 2.0]
-        with pytest.raises(RewardError, match=r"exited before answering request 2 of 2 \(batch 1\).*exit status 5"):
+        with pytest.raises(
+            RewardError, match=r"exited before sending the answer to request 2 of 2 \(batch 1\).*exit status 5"
+        ):
             reward.score(["b", "crash"], ["x", "y"])
         assert_group_gone(pidfile)
         assert reward.score(["a"], ["x"]) == [1.0]  # a new worker counts from one again
@@ -93,10 +95,20 @@ def test_failed_persistent_batch_kills_the_worker_and_the_next_starts_fresh(tmp_
 
 FAILURES = [
     # behaviour, mode, timeout, what the message must say
-    ("crash", "oneshot", 20, ["exited after printing 0 answers for 2 requests", "exit status 3", "stderr: Traceback", "crashing on purpose"]),
+    (
+        "crash",
+        "oneshot",
+        20,
+        ["exited after printing 0 answers for 2 requests", "exit status 3", "stderr: Traceback", "crashing on purpose"],
+    ),
     ("crash", "persistent", 20, ["handshake", "exit status 3", "crashing on purpose"]),
-    ("hang", "oneshot", 0.5, ["timed out after 0.5s", "answer 1 of 2"]),
-    ("hang_after_handshake", "persistent", 0.5, ["timed out after 0.5s", "request 1 of 2 (batch 0)"]),
+    ("hang", "oneshot", 0.5, ["timed out after 0.5s", "waiting for the answer to request 1 of 2"]),
+    (
+        "hang_after_handshake",
+        "persistent",
+        0.5,
+        ["timed out after 0.5s", "waiting for the answer to request 1 of 2 (batch 0)"],
+    ),
     ("oneshot_only", "persistent", 0.5, ["timed out", "handshake", 'reward_mode = "oneshot"']),
     ("not_json", "oneshot", 20, ["'hello'", "not JSON"]),
     ("nan", "oneshot", 20, ["reward nan", "finite number"]),
@@ -107,12 +119,13 @@ FAILURES = [
 ]
 
 
-@pytest.mark.parametrize(("behaviour", "mode", "timeout", "fragments"), FAILURES, ids=[f[0] + "-" + f[1] for f in FAILURES])
+@pytest.mark.parametrize(
+    ("behaviour", "mode", "timeout", "fragments"), FAILURES, ids=[f[0] + "-" + f[1] for f in FAILURES]
+)
 def test_misbehaving_program_fails_with_one_line_and_its_group_dies(tmp_path, behaviour, mode, timeout, fragments):
     argv, pidfile = misbehaving(tmp_path, behaviour)
-    with make_reward(command=argv, mode=mode, timeout_seconds=timeout) as reward:
-        with pytest.raises(RewardError) as failure:
-            reward.score(PROMPTS, COMPLETIONS)
+    with make_reward(command=argv, mode=mode, timeout_seconds=timeout) as reward, pytest.raises(RewardError) as failure:
+        reward.score(PROMPTS, COMPLETIONS)
     message = str(failure.value)
     assert message.startswith(f"reward program {str(MISBEHAVE)!r} ")
     assert "\n" not in message

@@ -1,0 +1,17 @@
+"""Training data and rollout prompts: SFT examples (plain text, chat JSONL, tool records)
+with an exact assistant loss mask, and prompt files for GRPO and distillation."""
+
+from retrograd.data.prompts import Prompt, load_prompts
+from retrograd.data.sft import Example, SFTData, load_sft
+from retrograd.data.template import CHAT_TEMPLATES, ChatFormat, resolve_chat_template
+
+__all__ = [
+    "CHAT_TEMPLATES",
+    "ChatFormat",
+    "Example",
+    "Prompt",
+    "SFTData",
+    "load_prompts",
+    "load_sft",
+    "resolve_chat_template",
+]

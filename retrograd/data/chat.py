@@ -17,8 +17,9 @@ else with the Hermes/Qwen convention of tools.py.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from retrograd.data import tools as hermes
 from retrograd.data.messages import Conversation
@@ -55,7 +56,10 @@ def _hermes_messages(conv: Conversation) -> tuple[list[dict[str, Any]], list[dic
     for message in conv.messages:
         role = message["role"]
         if role == "tool" and in_observations:
-            messages[-1] = {"role": "user", "content": messages[-1]["content"] + "\n" + hermes.observation(message["content"])}
+            messages[-1] = {
+                "role": "user",
+                "content": messages[-1]["content"] + "\n" + hermes.observation(message["content"]),
+            }
         elif role == "tool":
             messages.append({"role": "user", "content": hermes.observation(message["content"])})
         elif role == "assistant":
@@ -97,6 +101,7 @@ def encode_conversation(chat: ChatFormat, conv: Conversation, where: str) -> tup
     style = tool_style(chat, conv)
     messages, tools = style.messages(conv)
     text, spans = _assistant_spans(chat, messages, tools, where)
+    assert len(spans) == len(conv.calls), "every assistant turn survives the tool style"
     ids, starts = chat.tokenize(text, where)
     eog = chat.tokenizer.eog_ids
     mask = [False] * len(ids)

@@ -42,7 +42,9 @@ def json_lines(path: Path, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); expected one object per line") from None
+            raise DataError(
+                f"{where}: not valid JSON ({e.msg} at column {e.colno}); expected one object per line"
+            ) from None
         if not isinstance(obj, dict):
             raise DataError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
         yield where, obj

@@ -32,17 +32,23 @@ class Conversation:
 
 def parse_conversation(record: dict[str, Any], where: str) -> Conversation:
     if "messages" not in record:
-        raise DataError(f'{where}: missing "messages" (expected {{"messages": [{{"role": ..., "content": ...}}, ...]}})')
+        raise DataError(
+            f'{where}: missing "messages" (expected {{"messages": [{{"role": ..., "content": ...}}, ...]}})'
+        )
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise DataError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
     tools = _catalogue(record.get("tools", []), where)
-    tool_record = "tools" in record or any(isinstance(m, dict) and ("tool_calls" in m or m.get("role") == "tool") for m in messages)
+    tool_record = "tools" in record or any(
+        isinstance(m, dict) and ("tool_calls" in m or m.get("role") == "tool") for m in messages
+    )
     turns = _Turns(tool_names={t["function"]["name"] for t in tools}, consecutive_users=tool_record)
     for n, message in enumerate(messages, 1):
         turns.add(message, f"{where}: message {n}")
     if turns.pending:
-        raise DataError(f"{where}: tool call(s) {', '.join(c.id for c in turns.pending)} are never answered by a tool message")
+        raise DataError(
+            f"{where}: tool call(s) {', '.join(c.id for c in turns.pending)} are never answered by a tool message"
+        )
     return Conversation(tuple(turns.out), tools, tuple(turns.calls))
 
 
@@ -82,10 +88,10 @@ class _Turns:
         self.out.append({"role": "user", "content": _content(message, at)})
 
     def assistant(self, message: dict, at: str) -> None:
-        if self.previous == "assistant":
-            raise DataError(f"{at}: two assistant turns in a row; user and assistant turns alternate")
         if self.pending:
             raise DataError(f"{at}: assistant turn while tool call(s) {_ids(self.pending)} are unanswered")
+        if self.previous == "assistant":
+            raise DataError(f"{at}: two assistant turns in a row; user and assistant turns alternate")
         if self.previous in (None, "system"):
             raise DataError(f"{at}: the conversation starts with an assistant turn; the first turn is a user message")
         raw = message.get("raw", False)
@@ -99,10 +105,14 @@ class _Turns:
         else:
             calls = declared
             content = _content(message, at, optional=bool(calls))
-            self.out.append({"role": "assistant", "content": content} | ({"tool_calls": _openai(calls)} if calls else {}))
+            self.out.append(
+                {"role": "assistant", "content": content} | ({"tool_calls": _openai(calls)} if calls else {})
+            )
         for call in calls:
             if self.tool_names and call.name not in self.tool_names:
-                raise DataError(f"{at}: calls {call.name!r}, which is not in the record's tools ({', '.join(sorted(self.tool_names))})")
+                raise DataError(
+                    f"{at}: calls {call.name!r}, which is not in the record's tools ({', '.join(sorted(self.tool_names))})"
+                )
         self.calls.append(tuple(calls))
         self.pending = list(calls)
 
@@ -115,7 +125,9 @@ class _Turns:
         else:
             call = next((c for c in self.pending if c.id == call_id), None)
             if call is None:
-                raise DataError(f"{at}: tool_call_id {call_id!r} matches no pending call (pending: {_ids(self.pending)})")
+                raise DataError(
+                    f"{at}: tool_call_id {call_id!r} matches no pending call (pending: {_ids(self.pending)})"
+                )
             self.pending.remove(call)
         is_error = message.get("is_error", False)
         if not isinstance(is_error, bool):
@@ -125,7 +137,9 @@ class _Turns:
 
     def _declared_calls(self, value: Any, at: str) -> list[ToolCall]:
         if not isinstance(value, list):
-            raise DataError(f'{at}: "tool_calls" must be a list of {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+            raise DataError(
+                f'{at}: "tool_calls" must be a list of {{"id", "type": "function", "function": {{"name", "arguments"}}}}'
+            )
         calls = []
         for n, entry in enumerate(value, 1):
             fn = entry.get("function") if isinstance(entry, dict) else None
@@ -133,7 +147,9 @@ class _Turns:
                 raise DataError(f'{at}: tool call {n} needs "function": {{"name": ..., "arguments": ...}}')
             arguments = decode_arguments(fn.get("arguments"))
             if arguments is None:
-                raise DataError(f"{at}: tool call {n} ({fn['name']}): arguments must be an object or a JSON string holding one")
+                raise DataError(
+                    f"{at}: tool call {n} ({fn['name']}): arguments must be an object or a JSON string holding one"
+                )
             calls.append(ToolCall(self._call_id(entry.get("id"), at), fn["name"], arguments))
         return calls
 
@@ -173,7 +189,9 @@ def _catalogue(value: Any, where: str) -> tuple[dict[str, Any], ...]:
     for n, tool in enumerate(value, 1):
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise DataError(f'{where}: tool {n} needs a "name" (as {{"type": "function", "function": {{"name", ...}}}})')
+            raise DataError(
+                f'{where}: tool {n} needs a "name" (as {{"type": "function", "function": {{"name", ...}}}})'
+            )
         if fn["name"] in names:
             raise DataError(f"{where}: tool {n}: the name {fn['name']!r} is defined twice")
         names.add(fn["name"])

@@ -40,15 +40,21 @@ def load_prompts(path: str | Path, chat: ChatFormat, *, max_tokens: int | None =
 def _prompt(where: str, record: dict, chat: ChatFormat, max_tokens: int | None) -> Prompt:
     conv = parse_conversation(record, where)
     if conv.has_tools:
-        raise DataError(f"{where}: tools and tool messages belong in SFT tool records; a prompt has system, user and assistant messages")
+        raise DataError(
+            f"{where}: tools and tool messages belong in SFT tool records; a prompt has system, user and assistant messages"
+        )
     last = conv.messages[-1]
     if last["role"] != "user":
-        raise DataError(f"{where}: does not end with a user message (the last is {last['role']}); the model answers the last user turn")
+        raise DataError(
+            f"{where}: does not end with a user message (the last is {last['role']}); the model answers the last user turn"
+        )
     rubric = record.get("rubric")
     if rubric is not None and (not isinstance(rubric, str) or not rubric.strip()):
         raise DataError(f'{where}: "rubric" must be a non-empty string, got {rubric!r}')
     rendered = chat.render(list(conv.messages), add_generation_prompt=True, where=where)
     ids, _ = chat.tokenize(rendered, where)
     if max_tokens is not None and len(ids) > max_tokens:
-        raise DataError(f"{where}: the prompt is {len(ids)} tokens, more than the {max_tokens} that leave room to answer")
+        raise DataError(
+            f"{where}: the prompt is {len(ids)} tokens, more than the {max_tokens} that leave room to answer"
+        )
     return Prompt(tuple(ids), last["content"], rubric, where)

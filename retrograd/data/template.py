@@ -106,21 +106,25 @@ class ChatFormat:
         if self.source is None:
             raise DataError(
                 f"{data}: chat data needs a chat template and {self.origin} has none (no tokenizer.chat_template "
-                f"in its GGUF); name one explicitly (built-in: {', '.join(CHAT_TEMPLATES)}, or a Jinja file) "
-                "or train on plain text"
+                f"in its GGUF); name one explicitly (built-in: {', '.join(CHAT_TEMPLATES)}, or a Jinja file); "
+                "plain-text SFT data needs none"
             )
 
     @cached_property
     def _template(self) -> jinja2.Template:
         assert self.source is not None, "require_template() first"
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = PINNED_NOW.strftime
         try:
             return env.from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
-            raise DataError(f"{self.origin}: the chat template does not compile (line {e.lineno}: {e.message})") from None
+            raise DataError(
+                f"{self.origin}: the chat template does not compile (line {e.lineno}: {e.message})"
+            ) from None
 
     def render(
         self,
@@ -142,7 +146,7 @@ class ChatFormat:
             return template.render(context)
         except _TemplateRefusal as e:
             raise DataError(f"{where}: the chat template of {self.origin} refuses this conversation: {e}") from None
-        except Exception as e:  # a template bug meeting this data: TypeError, UndefinedError, ...
+        except Exception as e:  # noqa: BLE001 (a template bug meeting this data: TypeError, SecurityError, ...)
             raise DataError(f"{where}: the chat template of {self.origin} fails on this conversation ({e})") from None
 
     def tokenize(self, text: str, where: str) -> tuple[list[int], list[int]]:
@@ -162,7 +166,9 @@ class ChatFormat:
             offset += len(piece)
         spelled, expected = b"".join(pieces), text.encode("utf-8")
         if spelled != expected:
-            differ = next((i for i, (a, b) in enumerate(zip(spelled, expected)) if a != b), min(len(spelled), len(expected)))
+            differ = next(
+                (i for i, (a, b) in enumerate(zip(spelled, expected)) if a != b), min(len(spelled), len(expected))
+            )
             raise DataError(
                 f"{where}: llama.cpp's tokens of the rendered conversation do not spell it back (they differ from byte "
                 f"{differ}), so the loss mask cannot be placed"
@@ -179,7 +185,11 @@ class ChatFormat:
         """Whether the template itself renders a catalogue, a structured call and a tool
         observation (probed once with sentinels); otherwise tools/tools.py's convention is used."""
         tool = {"type": "function", "function": {"name": "probe_fn", "description": PROBE_CATALOGUE, "parameters": {}}}
-        call = {"id": "call_0", "type": "function", "function": {"name": "probe_fn", "arguments": {"q": PROBE_ARGUMENT}}}
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "probe_fn", "arguments": {"q": PROBE_ARGUMENT}},
+        }
         messages = [
             {"role": "user", "content": "probe"},
             {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -200,7 +210,9 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRefusal(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+):
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

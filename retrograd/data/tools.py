@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CATALOGUE_HEADER = (
-    "# Tools\n\n"
-    "You can call the functions whose signatures are listed inside <tools></tools>, one per line:\n"
-    "<tools>\n"
+    "# Tools\n\nYou can call the functions whose signatures are listed inside <tools></tools>, one per line:\n<tools>\n"
 )
 CATALOGUE_FOOTER = (
     "\n</tools>\n\n"

@@ -87,11 +87,10 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     if n_head % n_head_kv:
         raise GGUFError(f"{f.path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
 
-    tokens = f.reader.fields.get("tokenizer.ggml.tokens")
     emb = f.tensors.get("token_embd.weight")
     if emb is None:
         raise GGUFError(f"{f.path}: missing tensor token_embd.weight")
-    n_vocab = int(f.get(k("vocab_size"), len(tokens.data) if tokens is not None else emb.shape[0]))
+    n_vocab = int(f.get(k("vocab_size"), f.array_length("tokenizer.ggml.tokens") or emb.shape[0]))
 
     scaling = f.get(k("rope.scaling.type"), "none")
     if scaling not in ("none", "linear"):

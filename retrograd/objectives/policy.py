@@ -121,8 +121,9 @@ def policy_loss(
 
     Diagnostics: policy/surrogate_loss, policy/kl and policy/total_loss (= surrogate +
     beta * kl = the loss) are this micro-batch's share of the minibatch value; the
-    fractions and the ratio mean cover this call's active tokens (policy/active_tokens);
-    merge micro-batches with `merge_diagnostics`."""
+    fractions and the ratio mean cover this call's active tokens (policy/active_tokens;
+    under GSPO each token carries its sequence's ratio); merge micro-batches with
+    `merge_diagnostics`."""
     assert logp.shape == old_logp.shape == mask.shape, (logp.shape, old_logp.shape, mask.shape)
     assert beta == 0.0 or ref_logp is not None, "beta > 0 needs ref_logp"
     assert (options.tis_cap is None) == (sampler_logp is None), "tis_cap and sampler_logp go together"
@@ -145,7 +146,9 @@ def policy_loss(
         # the policy term only, not on the KL
         tis = torch.where(active, old_logp - sampler_logp, 0.0).detach().exp().clamp(max=options.tis_cap)  # [B, T]
         surrogate = surrogate * tis  # [B, T]
-    kl = torch.zeros_like(logp) if ref_logp is None else k3_kl(torch.where(active, ref_logp.detach(), logp), logp)
+    kl = torch.zeros_like(logp)  # [B, T]
+    if ref_logp is not None:
+        kl = k3_kl(torch.where(active, ref_logp.detach(), logp), logp)  # [B, T]
 
     choose_weights = pick(NORMALIZATIONS, options.loss_normalization, "grpo.loss_normalization")
     weights = choose_weights(weights_mask, counts)  # [B, T]
@@ -202,7 +205,7 @@ def merge_diagnostics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     tokens = [part["policy/active_tokens"] for part in parts]
     total_tokens = sum(tokens)
     combine = {
-        "sum": lambda values: sum(values),
+        "sum": sum,
         "token_mean": lambda values: sum(v * n for v, n in zip(values, tokens)) / total_tokens,
         "min": min,
         "max": max,

@@ -63,7 +63,7 @@ class Reward:
     def close(self) -> None:
         """Release what the reward holds (a worker process); scoring again afterwards starts afresh."""
 
-    def __enter__(self) -> Reward:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -113,7 +113,9 @@ class FunctionReward(Reward):
         try:
             result = self._function(list(prompts), list(completions))
         except Exception as exc:  # any failure of user code ends the run with one line naming it
-            raise RewardError(f"reward function {self.spec!r} raised {type(exc).__name__}: {_one_line(str(exc))}") from exc
+            raise RewardError(
+                f"reward function {self.spec!r} raised {type(exc).__name__}: {_one_line(str(exc))}"
+            ) from exc
         rewards = result.tolist() if hasattr(result, "tolist") else result  # numpy / torch vectors
         n = len(completions)
         if not isinstance(rewards, (list, tuple)) or len(rewards) != n:
@@ -151,7 +153,9 @@ def _load_function(spec: str):
 
 def _import_file(path: Path):
     if not path.is_file():
-        raise RewardError(f"reward_function file {str(path)!r} not found (relative to the working directory {os.getcwd()})")
+        raise RewardError(
+            f"reward_function file {str(path)!r} not found (relative to the working directory {os.getcwd()})"
+        )
     name = f"_retrograd_reward_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -235,7 +239,7 @@ class PersistentCommandReward(CommandReward):
         expected = _json_line(HANDSHAKE).decode().strip()
         self._process.send(_json_line(HANDSHAKE))
         try:
-            line = self._process.expect_line(deadline, f"the protocol handshake {expected}")
+            line = self._process.expect_line(deadline, f"the echo of the protocol handshake {expected}")
             if _decoded(line) != HANDSHAKE:
                 raise _Failure(f"answered the protocol handshake with {_excerpt(line)} instead of echoing {expected}")
         except _Failure as failure:
@@ -256,12 +260,12 @@ class PersistentCommandReward(CommandReward):
         process.send(b"".join(map(_json_line, [*requests, end])))
         rewards = []
         for index in range(n):
-            what = f"request {index + 1} of {n} (batch {batch})"
-            line = process.expect_line(deadline, what)
+            request = f"request {index + 1} of {n} (batch {batch})"
+            line = process.expect_line(deadline, f"the answer to {request}")
             if isinstance(answer := _decoded(line), dict) and "_retrograd_batch_end" in answer:
                 raise _Failure(f"ended batch {batch} after {index} answers for {n} requests")
-            rewards.append(_reward_in(line, {"_retrograd_batch": batch, "_retrograd_index": index}, what))
-        line = process.expect_line(deadline, f"the end of batch {batch}")
+            rewards.append(_reward_in(line, {"_retrograd_batch": batch, "_retrograd_index": index}, request))
+        line = process.expect_line(deadline, f"the echo of the end of batch {batch}")
         if _decoded(line) != end:
             raise _Failure(f"answered the end of batch {batch} with {_excerpt(line)}, expected {json.dumps(end)}")
         return rewards
@@ -278,7 +282,9 @@ class OneshotCommandReward(CommandReward):
         process = None
         try:
             process = _Process(self.argv, self.timeout_seconds)
-            requests = [{"prompt": prompt, "completion": completion} for prompt, completion in zip(prompts, completions)]
+            requests = [
+                {"prompt": prompt, "completion": completion} for prompt, completion in zip(prompts, completions)
+            ]
             process.send(b"".join(map(_json_line, requests)))
             process.close_stdin()
             rewards = self._answers(process, len(requests), deadline)
@@ -295,13 +301,17 @@ class OneshotCommandReward(CommandReward):
     @staticmethod
     def _answers(process: _Process, n: int, deadline: float) -> list[float]:
         rewards = []
-        while (line := process.next_line(deadline, f"answer {len(rewards) + 1} of {n}")) is not None:
+        while (line := process.next_line(deadline, _awaited_in_oneshot(len(rewards), n))) is not None:
             if len(rewards) == n:
                 raise _Failure(f"printed more than {n} lines for {n} requests, extra line: {_excerpt(line)}")
             rewards.append(_reward_in(line, {}, f"request {len(rewards) + 1} of {n}"))
         if len(rewards) < n:
             raise _Failure(f"{process.how_output_ended()} after printing {len(rewards)} answers for {n} requests")
         return rewards
+
+
+def _awaited_in_oneshot(answered: int, n: int) -> str:
+    return f"the answer to request {answered + 1} of {n}" if answered < n else "the end of its output"
 
 
 _COMMAND_REWARDS = {"persistent": PersistentCommandReward, "oneshot": OneshotCommandReward}
@@ -369,9 +379,12 @@ def _describe(value) -> str:
 
 
 def _describe_status(status: int) -> str:
-    if status < 0:
+    if status >= 0:
+        return f"exit status {status}"
+    try:
         return f"killed by {signal.Signals(-status).name}"
-    return f"exit status {status}"
+    except ValueError:  # a real-time signal has no name
+        return f"killed by signal {-status}"
 
 
 def _check_program(program: str) -> None:
@@ -468,7 +481,7 @@ class _Process:
     def expect_line(self, deadline: float, what: str) -> bytes:
         line = self.next_line(deadline, what)
         if line is None:
-            raise _Failure(f"{self.how_output_ended()} before answering {what}")
+            raise _Failure(f"{self.how_output_ended()} before sending {what}")
         return line
 
     def how_output_ended(self) -> str:

@@ -35,8 +35,13 @@ def persistent(answer, after_batch_end=lambda: None):
             if "_retrograd_batch_end" in request:
                 after_batch_end()
             continue
-        send({"reward": answer(request), "_retrograd_batch": request["_retrograd_batch"],
-              "_retrograd_index": request["_retrograd_index"]})
+        send(
+            {
+                "reward": answer(request),
+                "_retrograd_batch": request["_retrograd_batch"],
+                "_retrograd_index": request["_retrograd_index"],
+            }
+        )
 
 
 def crash():

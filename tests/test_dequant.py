@@ -1,0 +1,70 @@
+"""Every torch block dequantizer equals gguf.quants.dequantize bit for bit, compiled or not."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+from retrograd.kernels.dequant import CODECS, dequantize
+from retrograd.kernels.frozen import FrozenWeight, frozen_linear
+
+# byte ranges holding float16 scales in each block: random bytes there could be NaN/inf
+F16_FIELDS = {
+    QT.Q8_0: [(0, 2)], QT.Q4_0: [(0, 2)], QT.Q4_1: [(0, 4)], QT.Q5_0: [(0, 2)], QT.Q5_1: [(0, 4)],
+    QT.Q4_K: [(0, 4)], QT.Q5_K: [(0, 4)], QT.Q6_K: [(208, 210)],
+}
+REQUIRED = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K}
+
+
+def random_blocks(qtype: QT, n_blocks: int, rng) -> np.ndarray:
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if qtype == QT.F32:
+        return rng.standard_normal(n_blocks * block_size).astype(np.float32).view(np.uint8).reshape(n_blocks, -1)
+    if qtype == QT.F16:
+        return rng.standard_normal(n_blocks * block_size).astype(np.float16).view(np.uint8).reshape(n_blocks, -1)
+    if qtype == QT.BF16:
+        f32 = rng.standard_normal(n_blocks * block_size).astype(np.float32)
+        return (f32.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n_blocks, -1)
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for lo, hi in F16_FIELDS[qtype]:
+        scales = (rng.standard_normal((n_blocks, (hi - lo) // 2)) * 0.05).astype(np.float16)
+        raw[:, lo:hi] = scales.view(np.uint8)
+    return raw
+
+
+def test_required_types_have_torch_kernels():
+    assert REQUIRED <= set(CODECS)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("qtype", sorted(CODECS, key=lambda q: q.value), ids=lambda q: q.name)
+def test_kernel_equals_gguf_dequantize(qtype, compiled):
+    rng = np.random.default_rng(qtype.value)
+    raw = random_blocks(qtype, 257, rng)
+    expected = np.asarray(gguf.quants.dequantize(raw.reshape(-1), qtype), dtype=np.float32).reshape(-1)
+    assert np.isfinite(expected).all()
+    ours = dequantize(torch.from_numpy(raw), qtype, (expected.size,), compiled=compiled).numpy()
+    bad = np.flatnonzero(ours.view(np.uint32) != expected.view(np.uint32))
+    assert bad.size == 0, f"{bad.size} values differ, first at {bad[0]}: {ours[bad[0]]} vs {expected[bad[0]]}"
+
+
+def test_bf16_output_is_the_rounded_f32_output():
+    raw = torch.from_numpy(random_blocks(QT.Q4_K, 64, np.random.default_rng(0)))
+    f32 = dequantize(raw, QT.Q4_K, (64 * 256,))
+    assert torch.equal(dequantize(raw, QT.Q4_K, (64 * 256,), torch.bfloat16), f32.to(torch.bfloat16))
+
+
+def test_frozen_linear_gradient_matches_dense_weight():
+    rng = np.random.default_rng(1)
+    rows, cols = 48, 64
+    raw = random_blocks(QT.Q5_1, rows * cols // 32, rng).reshape(rows, -1)
+    w = FrozenWeight("blk.0.attn_q.weight", torch.from_numpy(raw), QT.Q5_1, (rows, cols))
+    dense = w.dense(torch.float32)
+    x = torch.randn(5, cols, requires_grad=True)
+    frozen_linear(x, w).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    (x2 @ dense.T).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+    ids = torch.tensor([[3, 0], [47, 3]])
+    torch.testing.assert_close(w.rows(ids, torch.float32), dense[ids], rtol=0, atol=0)
