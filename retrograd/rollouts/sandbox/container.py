@@ -1,0 +1,280 @@
+"""`type = "container"`: one hardened Docker container per trajectory.
+
+Hardening (notes §5): no network, read-only root with tmpfs /work and /tmp,
+a non-root user, every capability dropped, no-new-privileges, memory == memory+swap,
+pids and CPU limits, a private cgroup namespace and a fixed hostname (so that no
+container id leaks into observations). PID 1 is a small shell that reaps orphans
+and, on SIGUSR1, SIGKILLs every other process: that is how a timeout kills a
+command's whole tree, even a fork bomb that leaves no pid for a helper process.
+A call that ends normally sweeps its leftover processes itself (RUN_THEN_SWEEP).
+
+Commands run through the exec API; its hijacked stream is opened here on a raw
+socket, so no byte can hide in an HTTP client's read-ahead buffer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Callable
+
+import docker
+import docker.errors
+
+from retrograd.rollouts.sandbox import owner
+from retrograd.rollouts.sandbox.base import (
+    KILL_GRACE_SECS,
+    CappedBuffer,
+    ExecResult,
+    Sandbox,
+    SandboxBroken,
+    SandboxError,
+    pump,
+)
+from retrograd.rollouts.sandbox.options import DEFAULT_IMAGE, EnvironmentOptions
+
+LABEL_RUN = "retrograd.pool"  # the run id
+LABEL_HOST = "retrograd.host"
+LABEL_OWNER = "retrograd.owner"  # owner.process_tag() of the process that created it
+LABEL_INSTANCE = "retrograd.instance"  # one pool; close() removes exactly these
+KEEPER = ["sh", "-c", "trap 'kill -9 -1' USR1; while :; do sleep 2147483647 & wait $!; done"]
+KILL_SIGNAL = "SIGUSR1"
+# Runs "$@", then SIGKILLs whatever it left behind: a call's processes end with the call, as in the
+# namespace sandbox, so the state between calls is the filesystem alone (and a fork bomb dies).
+RUN_THEN_SWEEP = '"$@"; status=$?; kill -9 -1 2>/dev/null; exit $status'
+CACHE_MOUNT = "/opt/cache"
+
+
+class DockerBackend:
+    def __init__(self, options: EnvironmentOptions):
+        self.options = options
+        self.endpoint = _endpoint()
+        self.client = _connect(self.endpoint, options.pool.max_live)
+        self.image_id = _image_id(self.client, options.image, self.endpoint)  # for the run's record
+        self.labels = {LABEL_RUN: options.run_id or f"pid-{os.getpid()}", LABEL_HOST: owner.host_name(),
+                       LABEL_OWNER: owner.process_tag(), LABEL_INSTANCE: uuid.uuid4().hex}
+        reap_orphans(self.client)
+
+    def create(self) -> ContainerSandbox:
+        limits, (uid, gid) = self.options.limits, self.options.uid_gid
+        # Workspace and /tmp live in the container's memory: half and a quarter of it, so that
+        # a full disk is an ENOSPC the model sees, not an OOM kill.
+        work_mb, tmp_mb = limits.memory_mb // 2, limits.memory_mb // 4
+        try:
+            container = self.client.containers.run(
+                self.image_id, KEEPER, detach=True, labels=self.labels, user=self.options.user,
+                hostname="sandbox", working_dir="/work",
+                environment={"HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                             "PATH": "/usr/local/bin:/usr/bin:/bin"},
+                network_mode="bridge" if self.options.allow_network else "none",
+                read_only=True,
+                tmpfs={"/work": f"rw,nosuid,nodev,size={work_mb}m,mode=0755,uid={uid},gid={gid}",
+                       "/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,mode=1777"},
+                cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
+                pids_limit=limits.pids, nano_cpus=int(limits.cpus * 1e9), cgroupns="private",
+                runtime=self.options.runtime,
+                volumes={self.options.cache_volume: {"bind": CACHE_MOUNT, "mode": "ro"}}
+                if self.options.cache_volume else None,
+            )
+        except docker.errors.DockerException as error:
+            raise SandboxError(f"[agent.environment] type = 'container': cannot start a container from "
+                               f"{self.options.image!r}: {_short(error)}") from None
+        return ContainerSandbox(self, container.id)
+
+    def close(self) -> None:
+        remove_containers(self.client, {LABEL_INSTANCE: self.labels[LABEL_INSTANCE]})
+
+    def open_exec_stream(self, exec_id: str) -> tuple[socket.socket, bytes]:
+        """Starts an exec attached to a fresh connection; returns the socket and the
+        first stream bytes that arrived together with the response head."""
+        body = b'{"Detach":false,"Tty":false}'
+        sock = _dial(self.endpoint)
+        try:
+            sock.settimeout(30)
+            sock.sendall(f"POST /v{self.client.api.api_version}/exec/{exec_id}/start HTTP/1.1\r\nHost: docker\r\n"
+                         f"Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    raise OSError("the daemon closed the exec stream")
+                head += chunk
+            head, _, rest = head.partition(b"\r\n\r\n")
+            status = head.split(b"\r\n", 1)[0]
+            if status.split(b" ")[1:2] not in ([b"101"], [b"200"]):
+                raise OSError(f"exec start answered {status.decode(errors='replace')!r}")
+            return sock, rest
+        except BaseException:
+            sock.close()
+            raise
+
+
+class ContainerSandbox(Sandbox):
+    def __init__(self, backend: DockerBackend, container_id: str):
+        super().__init__(backend.options.limits)
+        self.backend = backend
+        self.id = container_id
+
+    def _exec(self, argv: tuple[str, ...], stdin: bytes, timeout: float) -> ExecResult:
+        api = self.backend.client.api
+        limit = self.limits.max_output_bytes
+        out, err = CappedBuffer(limit), CappedBuffer(limit)
+        frames = FrameReader({1: out.write, 2: err.write})
+        try:
+            exec_id = api.exec_create(self.id, ["sh", "-c", RUN_THEN_SWEEP, "sh", *argv], stdin=True,
+                                      user=self.backend.options.user, workdir="/work")["Id"]
+            sock, first = self.backend.open_exec_stream(exec_id)
+        except (docker.errors.DockerException, OSError) as error:
+            raise SandboxBroken(f"container exec failed: {_short(error)}") from None
+        with sock:
+            frames.feed(first)
+            fd = sock.fileno()
+            finished = pump({fd: frames.feed}, fd, stdin, lambda: _shutdown_write(sock),
+                            time.monotonic() + timeout)
+            if not finished:
+                self._kill_processes()
+                if not pump({fd: frames.feed}, None, b"", _nothing, time.monotonic() + KILL_GRACE_SECS):
+                    raise SandboxBroken("a command survived the timeout kill")
+        return ExecResult(exit_code=self._exit_code(exec_id), stdout=bytes(out.data), stderr=bytes(err.data),
+                          timed_out=not finished, truncated=out.truncated or err.truncated)
+
+    def _exit_code(self, exec_id: str) -> int:
+        deadline = time.monotonic() + KILL_GRACE_SECS
+        while True:
+            try:
+                state = self.backend.client.api.exec_inspect(exec_id)
+            except docker.errors.DockerException as error:
+                raise SandboxBroken(f"container exec inspect failed: {_short(error)}") from None
+            if state["ExitCode"] is not None and not state["Running"]:
+                return state["ExitCode"]
+            if time.monotonic() > deadline:
+                raise SandboxBroken("a command kept running after its output closed")
+            time.sleep(0.01)
+
+    def _kill_processes(self) -> None:
+        """SIGUSR1 to PID 1, which SIGKILLs every other process; needs no free pid."""
+        try:
+            self.backend.client.api.kill(self.id, signal=KILL_SIGNAL)
+        except docker.errors.DockerException as error:
+            raise SandboxBroken(f"container kill failed: {_short(error)}") from None
+
+    def destroy(self) -> None:
+        _remove(self.backend.client, self.id)
+
+
+class FrameReader:
+    """Docker's multiplexed exec stream: an 8-byte header (stream id, three zero
+    bytes, big-endian payload length) before each payload; 1 = stdout, 2 = stderr."""
+
+    def __init__(self, sinks: dict[int, Callable[[bytes], None]]):
+        self.sinks = sinks
+        self.buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> None:
+        self.buffer += chunk
+        while len(self.buffer) >= 8:
+            stream, size = struct.unpack(">BxxxL", self.buffer[:8])
+            if len(self.buffer) < 8 + size:
+                return
+            self.sinks.get(stream, _nothing)(bytes(self.buffer[8:8 + size]))
+            del self.buffer[:8 + size]
+
+
+# --- reaper ---------------------------------------------------------------------------------------
+
+def reap_orphans(client: docker.DockerClient) -> int:
+    """Removes containers whose owner process on this host is gone (a SIGKILLed run)."""
+    here = owner.host_name()
+    orphans = [container for container in _labelled(client, {LABEL_HOST: here})
+               if owner.is_dead(container.labels.get(LABEL_OWNER, ""))]
+    for container in orphans:
+        _remove(client, container.id)
+    return len(orphans)
+
+
+def remove_containers(client: docker.DockerClient, labels: dict[str, str]) -> None:
+    for container in _labelled(client, labels):
+        _remove(client, container.id)
+
+
+def _labelled(client: docker.DockerClient, labels: dict[str, str]) -> list:
+    try:
+        return client.containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in labels.items()]},
+                                      ignore_removed=True)
+    except docker.errors.DockerException:
+        return []  # the daemon went away: nothing we can remove now; the next run's reaper will
+
+
+def _remove(client: docker.DockerClient, container_id: str) -> None:
+    try:
+        client.api.remove_container(container_id, force=True, v=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as error:
+        if error.status_code != 409:  # 409: removal already in progress
+            raise
+
+
+# --- talking to the daemon ------------------------------------------------------------------------
+
+def _endpoint() -> str:
+    url = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if not url.startswith(("unix://", "tcp://")) or os.environ.get("DOCKER_TLS_VERIFY"):
+        raise SandboxError(f"DOCKER_HOST = {url!r}: the container sandbox supports unix:// and plain tcp:// "
+                           f"daemons (no TLS, no ssh)")
+    return url
+
+
+def _dial(url: str) -> socket.socket:
+    if url.startswith("tcp://"):
+        host, _, port = url[len("tcp://"):].rstrip("/").rpartition(":")
+        return socket.create_connection((host, int(port)), timeout=30)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(url[len("unix://"):])
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _connect(url: str, max_live: int) -> docker.DockerClient:
+    try:
+        client = docker.DockerClient(base_url=url, max_pool_size=max_live + 4)
+        client.ping()
+    except docker.errors.DockerException as error:
+        raise SandboxError(f"no Docker daemon reachable at {url} (DOCKER_HOST): {_short(error)}; "
+                           f"start one, or set [agent.environment] type = 'sandbox'") from None
+    return client
+
+
+def _image_id(client: docker.DockerClient, image: str, url: str) -> str:
+    try:
+        return client.images.get(image).id
+    except docker.errors.ImageNotFound:
+        ours = image.split(":")[0] == DEFAULT_IMAGE.split(":")[0]
+        how = f"bin/build-sandbox-image {image}" if ours else f"docker pull {image}"
+        raise SandboxError(f"[agent.environment].image = {image!r} is not on the Docker daemon at {url}; "
+                           f"get it with: {how}") from None
+    except docker.errors.DockerException as error:
+        raise SandboxError(f"cannot inspect image {image!r} at {url}: {_short(error)}") from None
+
+
+def _short(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:300]
+
+
+def _shutdown_write(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+def _nothing(*_) -> None:
+    pass
