@@ -24,20 +24,23 @@ chunked losses keep a plain path beside the fused one).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from retrograd.kernels.frozen import FrozenWeight
 
-# Default sizes, from a 64 MiB transient budget at Gemma-3's head (V = 262144, E = 640, N = 2048).
-# Alive at once: two float32 blocks of TOKEN_CHUNK x VOCAB_TILE (the logits and their exp in the
-# forward, their softmax-gradient in the backward) = 2 * 512 * 4096 * 4 B = 16 MiB, plus the
-# dequantized tile, VOCAB_TILE x E floats = 10 MiB, about three times that while a quantized tile
-# is being decoded. Peak ~ 8 * c * t + 12 * t * E bytes; benchmarks/chunked_logprobs.py measures it.
-VOCAB_TILE = 4096
+# Default sizes, from a 64 MiB budget for the transient memory at Gemma-3's head (V = 262144,
+# E = 640, N = 2048). Alive at the peak: the two block buffers, 2 * c * t * 4 B, and two tile-sized
+# float32 arrays (the dequantized tile plus its decode temporary or the GEMM's packed copy),
+# 2 * t * E * 4 B. With t = 2048, c = 512 that is 8 + 10 = 18 MiB, and 18 MiB is the measured RSS
+# peak with a float32 head; with a Q8_0 head glibc's reuse of the freed tiles added up to 21 MiB
+# more (24-39 MiB over three runs). Half the budget is left for that slack (4096-row Q8_0 tiles
+# reached 85 MiB at E = 576). c = 512 rows keeps the GEMMs efficient; wider tiles were not faster (measured with
+# `benchmarks/chunked_logprobs.py --sweep`).
+VOCAB_TILE = 2048
 TOKEN_CHUNK = 512
 
 
@@ -80,12 +83,30 @@ def _spans(total: int, step: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + step, total)
 
 
-def _block_logits(hidden: torch.Tensor, tile: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """A fresh block softcap(hidden @ tile^T) in sum_dtype; tanh is applied in place."""
-    z = (hidden @ tile.T).to(plan.sum_dtype)  # [c, t]
-    if plan.softcap > 0:
-        z.div_(plan.softcap).tanh_().mul_(plan.softcap)
-    return z
+class _Blocks:
+    """Two `[chunk, tile]` buffers reused by every block of a pass: the logits, and their exp
+    (forward) or gradient (backward). Fresh tensors per block would leave glibc to recycle them
+    and its heap then grows to several times the two blocks that are ever alive."""
+
+    def __init__(self, plan: _Plan, n_rows: int, device: torch.device):
+        size = min(plan.token_chunk, n_rows) * plan.vocab_tile
+        self.plan = plan
+        self._logits = torch.empty(size, dtype=plan.sum_dtype, device=device)
+        self._scratch = torch.empty(size, dtype=plan.sum_dtype, device=device)
+
+    def logits(self, hidden: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
+        """softcap(hidden @ tile^T) -> [c, t] in sum_dtype, written into the logits buffer."""
+        z = self._logits[: hidden.shape[0] * tile.shape[0]].view(hidden.shape[0], tile.shape[0])  # [c, t]
+        if hidden.dtype == z.dtype:
+            torch.mm(hidden, tile.T, out=z)
+        else:
+            z.copy_(hidden @ tile.T)
+        if self.plan.softcap > 0:
+            z.div_(self.plan.softcap).tanh_().mul_(self.plan.softcap)
+        return z
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        return self._scratch[: like.numel()].view(like.shape)
 
 
 def _local_ids(ids: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,24 +116,35 @@ def _local_ids(ids: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor,
     return local.clamp(0, width - 1), inside
 
 
+def _merge_topk(vals: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, start: int):
+    """Running top-k `[c, k]` (logits, ids) merged with a block of logits `[c, t]` starting at id `start`."""
+    k = vals.shape[1]
+    block_vals, cols = z.topk(min(k, z.shape[1]), dim=1)  # [c, k']
+    cand_vals = torch.cat([vals, block_vals], dim=1)  # [c, k + k']
+    cand_ids = torch.cat([ids, cols + start], dim=1)  # [c, k + k']
+    best_vals, best = cand_vals.topk(k, dim=1)  # [c, k]
+    return best_vals, cand_ids.gather(1, best)
+
+
 def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _Plan):
     """-> (logprobs [N, K], lse [N], LogprobStats), with one pass over the head's tiles."""
     n_rows, n_ids = ids.shape
     n_vocab = head.shape[0]
     h = hidden.to(plan.compute_dtype)  # [N, E]
-    new = dict(dtype=plan.sum_dtype, device=hidden.device)
+    new = {"dtype": plan.sum_dtype, "device": hidden.device}
     lse = torch.full((n_rows,), float("-inf"), **new)  # [N]
     picked = torch.zeros(n_rows, n_ids, **new)  # [N, K] logits at ids
     mean_logit = torch.zeros(n_rows, **new)  # [N] E_p[z], for the entropy lse - E_p[z]
     top_vals = torch.full((n_rows, plan.topk), float("-inf"), **new)  # [N, k]
     top_ids = torch.zeros(n_rows, plan.topk, dtype=torch.long, device=hidden.device)  # [N, k]
 
+    blocks = _Blocks(plan, n_rows, hidden.device)
     for start, stop in _spans(n_vocab, plan.vocab_tile):
         tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
         for r0, r1 in _spans(n_rows, plan.token_chunk):
-            z = _block_logits(h[r0:r1], tile, plan)  # [c, t]
+            z = blocks.logits(h[r0:r1], tile)  # [c, t]
             peak = z.amax(1, keepdim=True)  # [c, 1]
-            e = (z - peak).exp_()  # [c, t]
+            e = torch.sub(z, peak, out=blocks.scratch(z)).exp_()  # [c, t]
             mass = e.sum(1)  # [c]
             block_lse = peak.squeeze(1) + mass.log()  # [c]
             merged = torch.logaddexp(lse[r0:r1], block_lse)  # [c]
@@ -127,11 +159,8 @@ def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor,
             picked[r0:r1] = torch.where(inside, z.gather(1, local), picked[r0:r1])
 
             if plan.topk:
-                vals, cols = z.topk(min(plan.topk, stop - start), dim=1)  # [c, k']
-                cand_vals = torch.cat([top_vals[r0:r1], vals], dim=1)  # [c, k + k']
-                cand_ids = torch.cat([top_ids[r0:r1], cols + start], dim=1)  # [c, k + k']
-                best_vals, best = cand_vals.topk(plan.topk, dim=1)  # [c, k]
-                top_vals[r0:r1], top_ids[r0:r1] = best_vals, cand_ids.gather(1, best)
+                top_vals[r0:r1], top_ids[r0:r1] = _merge_topk(top_vals[r0:r1], top_ids[r0:r1], z, start)
+        del tile  # before the next one is decoded, so two tiles are never alive together
 
     stats = LogprobStats(
         entropy=lse - mean_logit if plan.entropy else None,
@@ -151,16 +180,19 @@ def _stream_backward(
     g_total = g.sum(1, keepdim=True)  # [N, 1]
     grad_hidden = torch.zeros(hidden.shape, dtype=plan.sum_dtype, device=hidden.device)  # [N, E]
 
+    blocks = _Blocks(plan, n_rows, hidden.device)
     for start, stop in _spans(head.shape[0], plan.vocab_tile):
         tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
         for r0, r1 in _spans(n_rows, plan.token_chunk):
-            z = _block_logits(h[r0:r1], tile, plan)  # [c, t] after softcap
-            dz = (z - lse[r0:r1, None]).exp_().mul_(-g_total[r0:r1])  # [c, t] -(sum_k g_k) softmax
+            z = blocks.logits(h[r0:r1], tile)  # [c, t] after softcap
+            dz = torch.sub(z, lse[r0:r1, None], out=blocks.scratch(z)).exp_()  # [c, t] softmax
+            dz.mul_(-g_total[r0:r1])  # [c, t] -(sum_k g_k) softmax
             local, inside = _local_ids(ids[r0:r1], start, stop - start)  # [c, K]
             dz.scatter_add_(1, local, torch.where(inside, g[r0:r1], 0.0))  # + g at ids
             if plan.softcap > 0:  # d(cap tanh(x/cap))/dx = 1 - tanh^2
                 dz.mul_(z.div_(plan.softcap).square_().neg_().add_(1.0))
             grad_hidden[r0:r1] += (dz.to(plan.compute_dtype) @ tile).to(plan.sum_dtype)  # [c, E]
+        del tile
     return grad_hidden.to(hidden.dtype)
 
 

@@ -21,6 +21,7 @@ app = typer.Typer(
 )
 
 from retrograd.cli import model as _model  # noqa: E402,F401  (registers inspect, preflight)
+from retrograd.cli import train as _train  # noqa: E402,F401  (registers train)
 
 
 def main() -> None:

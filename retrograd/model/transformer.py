@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from retrograd.gguf.spec import ModelSpec
 from retrograd.kernels.frozen import FrozenWeight, frozen_linear
@@ -185,6 +186,10 @@ class Transformer(nn.Module):
         self.rope_global = RotaryTable(spec.n_rot, spec.rope_base, spec.rope_freq_scale)
         self.rope_local = RotaryTable(spec.n_rot, spec.rope_base_swa, 1.0)
         self.compute_dtype = torch.float32
+        # gradient checkpointing: keep only every `checkpoint_every`-th block input, stored in
+        # checkpoint_dtype, and recompute the blocks in between during backward (0 = off)
+        self.checkpoint_every = 0
+        self.checkpoint_dtype = torch.float32
 
     def to_device(self, device: torch.device) -> Transformer:
         """Move frozen weights (plain attributes, not buffers) and buffers to `device`."""
@@ -228,11 +233,22 @@ class Transformer(nn.Module):
         mask_local = attention_mask(positions, segments, self.spec.sliding_window) if any(self.spec.swa_layers) else None
         rope_global = self.rope_global(positions)
         rope_local = self.rope_local(positions) if mask_local is not None else None
-        for block in self.blocks:
-            if block.sliding:
-                x = block(x, rope_local, mask_local, cdt)
-            else:
-                x = block(x, rope_global, mask_global, cdt)
+
+        def run(blocks, x):
+            x = x.float()
+            for block in blocks:
+                if block.sliding:
+                    x = block(x, rope_local, mask_local, cdt)
+                else:
+                    x = block(x, rope_global, mask_global, cdt)
+            return x
+
+        every = self.checkpoint_every if torch.is_grad_enabled() else 0
+        if not every:
+            return self.output_norm(run(self.blocks, x))
+        for start in range(0, len(self.blocks), every):
+            segment = self.blocks[start : start + every]
+            x = checkpoint(run, segment, x.to(self.checkpoint_dtype), use_reentrant=False)
         return self.output_norm(x)
 
     def head(self, hidden: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:

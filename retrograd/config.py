@@ -1,0 +1,349 @@
+"""One strict TOML file per run -> frozen dataclasses, validated once.
+
+Key names, defaults and meanings follow the Rust retrograd where the feature exists (see
+README "Configuration"). The file is strict: an unknown key is an error naming the closest
+valid key, a wrong type or range names `section.key`, the value and what is expected, and
+a section that does not belong to `[run].algorithm` is refused. Every problem found is
+reported at once, on one line. Relative paths resolve against the TOML file's folder.
+Nothing downstream re-checks these values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli
+
+from retrograd.errors import ConfigError
+
+_REQUIRED = object()
+
+
+def key(default: Any = _REQUIRED, *, choices=None, gt=None, ge=None, le=None, lt=None):
+    """A config key: its default (or required) and the values it accepts."""
+    meta = {"choices": choices, "gt": gt, "ge": ge, "le": le, "lt": lt}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    if default is _REQUIRED:
+        return field(metadata=meta | {"required": True})
+    return field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class RunSection:
+    algorithm: str = key(choices=("sft", "grpo", "agent_grpo", "distill"))
+    verbose: bool = key(False)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: Path | None = key(None)  # None: --model, else the bundled SmolLM2
+    device: str = key("auto", choices=("auto", "cpu", "gpu"))
+    weights: str = key("quantized", choices=("quantized", "bf16", "f32"))
+    chat_template: str | None = key(None)  # a built-in name (chatml, gemma) or a Jinja file, when the GGUF has none
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    path: Path = key()
+    kind: str = key("adapter", choices=("adapter",))
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    rank: int = key(8, ge=1)
+    alpha: float = key(16.0, gt=0)
+    seed: int = key(42, ge=0)
+    targets: list[str] = key(["q", "k", "v", "o", "ffn_up", "ffn_down", "ffn_gate"])
+    dtype: str = key("f16", choices=("f16", "f32"))  # tensor type of the exported adapter
+    init_adapter: Path | None = key(None)
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    trainable: str = key("lora", choices=("lora",))
+    optimizer: str = key("adamw", choices=("adamw", "sgd"))
+    lr: float = key(1e-4, gt=0)
+    lr_scheduler: str = key("constant", choices=("constant", "linear", "cosine"))
+    warmup_steps: int = key(0, ge=0)
+    weight_decay: float = key(0.0, ge=0)
+    max_grad_norm: float = key(1.0, ge=0)  # 0 turns clipping off
+    epochs: int = key(1, ge=1)
+    ctx: int = key(128, ge=2)
+    micro_batch: int = key(32, ge=1)
+    gradient_accumulation: int = key(1, ge=1)
+    threads: int | None = key(None, ge=1)
+    compute_dtype: str = key("auto", choices=("auto", "f32", "bf16"))
+    gradient_checkpointing: bool = key(False)
+    checkpoint_every_n_layers: int = key(4, ge=1)
+    checkpoint_dtype: str = key("f32", choices=("f32", "f16", "bf16"))
+    chunked_cross_entropy: bool = key(True)
+    chunked_ce_tiles: int | None = key(None, ge=1)  # None: tiles sized by a 64 MiB budget
+    chunked_ce_seq_chunk: int = key(512, ge=0)
+    master_weights: str = key("auto", choices=("auto", "f32"))
+    require_gpu_resident: bool = key(False)
+    max_gpu_duty_cycle: float = key(1.0, gt=0, le=1)
+    # rollout algorithms only
+    generation_concurrency: int | None = key(None, ge=1)
+    generation_batch: int = key(0, ge=0)
+    fast_sampling_context: bool = key(True)
+    kv_dtype: str = key("f16", choices=("f16", "f32"))
+
+
+@dataclass(frozen=True)
+class SFTSection:
+    data: Path = key()
+    data_format: str | None = key(None, choices=("text", "txt", "jsonl", "chat", "chat-jsonl"))
+    shuffle: bool = key(True)
+    template_variables: dict = key({})
+
+
+@dataclass(frozen=True)
+class EvaluationSection:
+    data: Path = key()
+    every_iterations: int = key(1, ge=1)
+    max_examples: int | None = key(None, ge=1)
+    patience: int | None = key(None, ge=1)
+    min_delta: float = key(0.0, ge=0)
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    directory: Path = key()
+    mode: str = key(choices=("steps", "best_eval", "steps_and_best_eval"))
+    every_steps: int | None = key(None, ge=1)
+    resume_from: Path | None = key(None)
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    tensorboard_dir: Path | None = key(None)
+
+
+SECTION_TYPES: dict[str, type] = {
+    "run": RunSection,
+    "model": ModelSection,
+    "output": OutputSection,
+    "lora": LoraSection,
+    "training": TrainingSection,
+    "sft": SFTSection,
+    "evaluation": EvaluationSection,
+    "checkpoint": CheckpointSection,
+    "metrics": MetricsSection,
+}
+COMMON_SECTIONS = ("run", "model", "output", "lora", "training", "evaluation", "checkpoint", "metrics")
+ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe"), "agent_grpo": ("agent", "observe"), "distill": ("distill",)}
+REQUIRED_SECTIONS = ("run", "output")
+DEFAULTED_SECTIONS = ("model", "lora", "training", "metrics")
+ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "fast_sampling_context", "kv_dtype")
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    run: RunSection
+    model: ModelSection
+    output: OutputSection
+    lora: LoraSection
+    training: TrainingSection
+    metrics: MetricsSection
+    sft: SFTSection | None = None
+    evaluation: EvaluationSection | None = None
+    checkpoint: CheckpointSection | None = None
+    explicit: frozenset[str] = frozenset()  # "section.key" names the file set
+
+    def with_overrides(self, *, model: Path | None = None, device: str | None = None) -> Config:
+        """`--model` / `--device` win over the file (CLI paths are relative to the cwd)."""
+        section = self.model
+        if model is not None:
+            section = dataclasses.replace(section, path=Path(model).resolve())
+        if device is not None:
+            if device not in ("auto", "cpu", "gpu"):
+                raise ConfigError(f"--device {device!r}: expected auto, cpu or gpu")
+            section = dataclasses.replace(section, device=device)
+        return dataclasses.replace(self, model=section)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a .toml file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        doc = tomli.loads(text)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    return parse_config(doc, path)
+
+
+def parse_config(doc: dict, path: Path) -> Config:
+    problems: list[str] = []
+    base = path.resolve().parent
+    run = doc.get("run")
+    algorithm = run.get("algorithm") if isinstance(run, dict) else None
+    own = ALGORITHM_SECTIONS.get(algorithm, ())
+    known = set(COMMON_SECTIONS) | {s for v in ALGORITHM_SECTIONS.values() for s in v}
+    for name, value in doc.items():
+        if name not in known:
+            problems.append(f"[{name}]: unknown section{_did_you_mean(name, known, '[{}]')}")
+        elif algorithm in ALGORITHM_SECTIONS and name not in COMMON_SECTIONS + own:
+            problems.append(f"[{name}] does not belong to algorithm {algorithm!r}")
+        elif not isinstance(value, dict):
+            problems.append(f"{name}: expected a [{name}] table")
+
+    explicit: set[str] = set()
+    sections: dict[str, Any] = {}
+    for name in COMMON_SECTIONS + own:
+        table = doc.get(name)
+        if table is None:
+            if name in REQUIRED_SECTIONS or name in own[:1]:
+                problems.append(f"[{name}] is required")
+                continue
+            if name not in DEFAULTED_SECTIONS:
+                continue
+            table = {}
+        if isinstance(table, dict):
+            sections[name] = _parse_section(SECTION_TYPES[name], table, name, base, problems, explicit)
+
+    if not problems:
+        _cross_checks(sections, algorithm, explicit, problems)
+    if problems:
+        raise ConfigError(f"{path}: " + "; ".join(problems))
+    return Config(path=path.resolve(), explicit=frozenset(explicit), **sections)
+
+
+def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[str]) -> None:
+    training: TrainingSection = s["training"]
+    if algorithm == "sft":
+        for k in ROLLOUT_ONLY_TRAINING_KEYS:
+            if f"training.{k}" in explicit:
+                problems.append(f"training.{k} applies to rollout algorithms (grpo, agent_grpo, distill), not sft")
+    if "training.checkpoint_dtype" in explicit and not training.gradient_checkpointing:
+        problems.append("training.checkpoint_dtype needs training.gradient_checkpointing = true")
+    ckpt: CheckpointSection | None = s.get("checkpoint")
+    if ckpt is not None:
+        steps_mode = ckpt.mode in ("steps", "steps_and_best_eval")
+        if steps_mode and ckpt.every_steps is None:
+            problems.append(f"checkpoint.every_steps is required with checkpoint.mode = {ckpt.mode!r}")
+        if not steps_mode and ckpt.every_steps is not None:
+            problems.append("checkpoint.every_steps applies only to the step modes (steps, steps_and_best_eval)")
+        if "best_eval" in ckpt.mode and s.get("evaluation") is None:
+            problems.append(f"checkpoint.mode = {ckpt.mode!r} needs an [evaluation] section")
+        if ckpt.resume_from is not None and s["lora"].init_adapter is not None:
+            problems.append("checkpoint.resume_from and lora.init_adapter exclude each other")
+
+
+def _parse_section(cls, table: dict, section: str, base: Path, problems: list[str], explicit: set[str]):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for k, v in table.items():
+        where = f"{section}.{k}"
+        if k not in fields:
+            problems.append(f"{where}: unknown key{_did_you_mean(k, fields, section + '.{}')}")
+            continue
+        f = fields[k]
+        checked = _check_value(v, hints[k], f.metadata, where, base, problems)
+        if checked is not _INVALID:
+            values[k] = checked
+            explicit.add(where)
+    for name, f in fields.items():
+        if f.metadata.get("required") and name not in table:
+            problems.append(f"{section}.{name} is required")
+    try:
+        return cls(**values)
+    except TypeError:
+        return None  # a required key is missing: already reported
+
+
+_INVALID = object()
+
+
+def _check_value(value, annotation, meta, where, base: Path, problems: list[str]):
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        inner = [a for a in args if a is not type(None)][0]
+        return _check_value(value, inner, meta, where, base, problems)
+
+    def bad(expected: str):
+        problems.append(f"{where} = {_show(value)}: expected {expected}")
+        return _INVALID
+
+    if annotation is bool:
+        if not isinstance(value, bool):
+            return bad("true or false")
+    elif annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return bad("an integer" + _range_text(meta))
+    elif annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return bad("a finite number" + _range_text(meta))
+        value = float(value)
+    elif annotation is str:
+        if not isinstance(value, str):
+            return bad("a string" + (f" ({_choices_text(meta['choices'])})" if meta.get("choices") else ""))
+    elif annotation is Path:
+        if not isinstance(value, str) or not value:
+            return bad("a path string")
+        value = (base / Path(value).expanduser()).resolve()
+    elif origin is list:
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value) or not value:
+            return bad("a non-empty list of strings")
+    elif annotation is dict:
+        if not isinstance(value, dict):
+            return bad("a table")
+    if meta.get("choices") and value not in meta["choices"]:
+        return bad(_choices_text(meta["choices"]))
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not _in_range(value, meta):
+        return bad("a number" + _range_text(meta))
+    return value
+
+
+def _in_range(v, meta) -> bool:
+    return all(
+        bound is None or ok
+        for bound, ok in (
+            (meta.get("gt"), meta.get("gt") is not None and v > meta["gt"]),
+            (meta.get("ge"), meta.get("ge") is not None and v >= meta["ge"]),
+            (meta.get("lt"), meta.get("lt") is not None and v < meta["lt"]),
+            (meta.get("le"), meta.get("le") is not None and v <= meta["le"]),
+        )
+    )
+
+
+def _range_text(meta) -> str:
+    parts = [f"{op} {meta[k]}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if meta.get(k) is not None]
+    return (" " + " and ".join(parts)) if parts else ""
+
+
+def _choices_text(choices) -> str:
+    return "one of " + ", ".join(repr(c) for c in choices)
+
+
+def _show(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _did_you_mean(name: str, candidates, fmt: str) -> str:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {fmt.format(match[0])}?)" if match else ""

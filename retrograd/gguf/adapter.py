@@ -1,0 +1,132 @@
+"""The llama.cpp LoRA adapter GGUF: what `llama-cli --lora adapter.gguf` loads.
+
+Layout (llama.cpp src/llama-adapter.cpp, convert_lora_to_gguf.py): `general.type =
+"adapter"`, `general.architecture` = the base's, `adapter.type = "lora"`,
+`adapter.lora.alpha` as float32, and for each adapted base weight `<name>` exactly two
+tensors `<name>.lora_a` (numpy shape [r, n_in]) and `<name>.lora_b` ([n_out, r]); nothing
+else. llama.cpp scales by alpha / r with r read from the tensor shapes. GGUF Q/K rows are
+already in llama.cpp's rotary layout, and our LoRA trains on those rows directly, so B is
+written as trained: never permuted.
+
+llama-cpp-python 0.3.36 crashes on an adapter whose shapes do not fit the base, so every
+shape is checked against the base model before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from retrograd.errors import GGUFError
+from retrograd.gguf.file import GGUFFile
+
+ADAPTER_DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One adapted weight, as exported: A [r, n_in], B [n_out, r]."""
+
+    a: np.ndarray
+    b: np.ndarray
+
+
+def adapter_tensors(adapter) -> dict[str, LoRAWeights]:
+    """An in-memory retrograd.lora.Adapter -> numpy float32 tensors by base weight name."""
+    out = {}
+    for name, layer in adapter.layers.items():
+        with torch.no_grad():
+            out[name] = LoRAWeights(layer.lora_a.detach().float().cpu().numpy(), layer.lora_b.detach().float().cpu().numpy())
+    return out
+
+
+def check_shapes(tensors: dict[str, LoRAWeights], base_shapes: dict[str, tuple[int, ...]]) -> int:
+    """Every pair fits its base weight [n_out, n_in] and all share one rank; returns the rank."""
+    ranks = set()
+    for name, w in tensors.items():
+        if name not in base_shapes:
+            raise GGUFError(f"adapter weight {name} does not exist in the base model")
+        n_out, n_in = base_shapes[name]
+        r = w.a.shape[0]
+        if w.a.shape != (r, n_in) or w.b.shape != (n_out, r):
+            raise GGUFError(
+                f"adapter weight {name}: lora_a {list(w.a.shape)} / lora_b {list(w.b.shape)} do not fit the base "
+                f"[{n_out}, {n_in}] (expected [r, {n_in}] and [{n_out}, r])"
+            )
+        ranks.add(r)
+    if len(ranks) > 1:
+        raise GGUFError(f"adapter weights have different ranks {sorted(ranks)}")
+    return ranks.pop() if ranks else 0
+
+
+def write_adapter(
+    path: str | os.PathLike,
+    tensors: dict[str, LoRAWeights],
+    *,
+    arch: str,
+    alpha: float,
+    base_shapes: dict[str, tuple[int, ...]],
+    dtype: str = "f32",
+    name: str = "retrograd LoRA",
+) -> Path:
+    """Write atomically: a temporary file in the same folder, renamed over `path`."""
+    check_shapes(tensors, base_shapes)
+    path = Path(path)
+    np_dtype = ADAPTER_DTYPES[dtype]
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, arch)
+        w.add_type(gguf.GGUFType.ADAPTER)
+        w.add_name(name)
+        w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+        for weight_name, t in tensors.items():
+            w.add_tensor(f"{weight_name}.lora_a", np.ascontiguousarray(t.a, dtype=np_dtype))
+            w.add_tensor(f"{weight_name}.lora_b", np.ascontiguousarray(t.b, dtype=np_dtype))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass(frozen=True)
+class AdapterFile:
+    arch: str
+    alpha: float
+    tensors: dict[str, LoRAWeights]
+
+    @property
+    def rank(self) -> int:
+        return next(iter(self.tensors.values())).a.shape[0] if self.tensors else 0
+
+
+def read_adapter(path: str | os.PathLike) -> AdapterFile:
+    """Read a llama.cpp LoRA GGUF (ours or from convert_lora_to_gguf.py)."""
+    f = GGUFFile(path)
+    if f.get("general.type") != "adapter" or f.get("adapter.type") != "lora":
+        raise GGUFError(f"{f.path}: not a LoRA adapter (general.type={f.get('general.type')!r}, adapter.type={f.get('adapter.type')!r})")
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for name, t in f.tensors.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix not in ("lora_a", "lora_b"):
+            raise GGUFError(f"{f.path}: unexpected tensor {name} in a LoRA adapter")
+        values = np.asarray(gguf.quants.dequantize(t.data, t.qtype), dtype=np.float32).reshape(t.shape)
+        pairs.setdefault(base, {})[suffix] = values
+    tensors = {}
+    for base, p in pairs.items():
+        if set(p) != {"lora_a", "lora_b"}:
+            raise GGUFError(f"{f.path}: {base} has only {', '.join(p)}")
+        tensors[base] = LoRAWeights(p["lora_a"], p["lora_b"])
+    return AdapterFile(str(f.get("general.architecture")), float(f.get("adapter.lora.alpha", 0.0)), tensors)

@@ -1,0 +1,240 @@
+"""Supervised fine-tuning: next-token cross-entropy on the supervised tokens, the loop
+written out in full.
+
+Order of work per epoch: a permutation that is a pure function of (lora.seed, epoch), greedy
+packing of examples into micro-batches of `training.micro_batch` tokens, and
+`gradient_accumulation` micro-batches per optimizer step. The loss of a step is the mean
+negative log-likelihood over all of its supervised tokens. Everything the next step depends
+on (LoRA weights, optimizer moments, RNG, data position) is in each checkpoint, so a resumed
+run repeats the remaining steps bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrograd.config import Config
+from retrograd.data import Example, load_sft
+from retrograd.errors import DataError, RetrogradError
+from retrograd.memory import rss_bytes
+from retrograd.recipes.common import Setup, prepare, signature
+from retrograd.training.batches import LogprobOptions, batch_logprobs, pack, plan_micro_batches
+from retrograd.training.checkpoint import (
+    Checkpoint,
+    check_signature,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+    step_name,
+)
+from retrograd.training.metrics import MetricsSink
+from retrograd.training.optim import build_optimizer, clip_gradients, learning_rate
+from retrograd.training.report import Reporter
+
+
+class TrainingDiverged(RetrogradError):
+    pass
+
+
+@dataclass(frozen=True)
+class SFTResult:
+    output: Path
+    steps: int
+    epochs_done: int
+    train_loss: float
+    eval_loss: float | None
+    tokens_per_second: float
+    losses: tuple[float, ...]  # per optimizer step, this run's part
+
+
+def epoch_plan(examples: tuple[Example, ...], epoch: int, *, seed: int, shuffle: bool, micro_batch: int, accumulation: int):
+    """-> list of optimizer steps, each a list of micro-batches of example indices."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(examples)) if shuffle else np.arange(len(examples))
+    lengths = [len(examples[i].ids) for i in order]
+    micro = [[int(order[j]) for j in mb] for mb in plan_micro_batches(lengths, micro_batch)]
+    return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
+
+
+def mean_loss(setup: Setup, examples, options: LogprobOptions) -> tuple[float, list[float]]:
+    """Mean NLL per supervised token over `examples`, and each example's own mean."""
+    transformer = setup.model.transformer
+    per_example = []
+    total = count = 0.0
+    with torch.no_grad():
+        for mb in plan_micro_batches([len(e.ids) for e in examples], setup.cfg.training.micro_batch):
+            batch = pack([examples[i] for i in mb], setup.device)
+            nll = -batch_logprobs(transformer, batch, options).double()
+            sums = torch.zeros(len(mb), dtype=torch.float64).index_add_(0, batch.sequence_index.cpu(), nll.cpu())
+            counts = torch.bincount(batch.sequence_index.cpu(), minlength=len(mb))
+            per_example += (sums / counts.clamp(min=1)).tolist()
+            total += float(sums.sum())
+            count += int(counts.sum())
+    return total / max(count, 1), per_example
+
+
+def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> SFTResult:
+    setup = prepare(cfg, reporter)
+    t = cfg.training
+    data = load_sft(cfg.sft.data, setup.chat, ctx=t.ctx, data_format=cfg.sft.data_format)
+    if data.dropped:
+        reporter.message(f"dropped {len(data.dropped)} example(s) longer than ctx={t.ctx} (first: {data.dropped[0]})")
+    examples = data.examples
+    eval_examples = None
+    if cfg.evaluation is not None:
+        eval_examples = load_sft(cfg.evaluation.data, setup.chat, ctx=t.ctx, data_format=cfg.sft.data_format).examples
+        if cfg.evaluation.max_examples:
+            eval_examples = eval_examples[: cfg.evaluation.max_examples]
+    options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
+    transformer = setup.model.transformer
+    params = setup.adapter.parameters()
+    optimizer = build_optimizer(params, t.optimizer, t.lr, t.weight_decay)
+
+    plans = [epoch_plan(examples, e, seed=cfg.lora.seed, shuffle=cfg.sft.shuffle, micro_batch=t.micro_batch, accumulation=t.gradient_accumulation) for e in range(t.epochs)]
+    total_steps = sum(len(p) for p in plans)
+    data_files = {"sft.data": cfg.sft.data} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
+    sig = signature(setup, data_files)
+    progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
+
+    checkpoint = _resume_point(cfg, resume)
+    if checkpoint is not None:
+        check_signature(checkpoint, sig)
+        lora = checkpoint.tensor_file("lora.pt")
+        with torch.no_grad():
+            for name, layer in setup.adapter.layers.items():
+                layer.lora_a.copy_(lora[name]["a"])
+                layer.lora_b.copy_(lora[name]["b"])
+        optimizer.load_state_dict(checkpoint.tensor_file("optimizer.pt"))
+        restore_rng(checkpoint.tensor_file("rng.pt"))
+        progress = dict(checkpoint.progress)
+        reporter.message(f"resumed from {checkpoint.path} at step {progress['global_step']}")
+
+    reporter.message(f"sft: examples={len(examples)}, epochs={t.epochs}, steps_per_epoch={len(plans[0])}, steps={total_steps}")
+    out_dir = cfg.output.path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=checkpoint is not None)
+
+    def save(name: str) -> Path:
+        lora = {n: {"a": l.lora_a.detach().clone(), "b": l.lora_b.detach().clone()} for n, l in setup.adapter.layers.items()}
+        path = save_checkpoint(
+            cfg.checkpoint.directory, name, write_adapter=setup.export, lora=lora,
+            optimizer=optimizer.state_dict(), progress=progress, signature=sig,
+        )
+        reporter.message(f"checkpoint {path}")
+        return path
+
+    reporter.start(total_steps, ["epoch", "step", "train_loss", "eval_loss", "lr", "tok/s"], "steps")
+    reporter.advance(progress["global_step"], "")
+    row_every = max(1, total_steps // (8 * t.epochs))
+    losses: list[float] = []
+    tokens_done, time_spent = 0, 0.0
+    eval_loss = None
+    stop = False
+    try:
+        for epoch in range(progress["epoch"], t.epochs):
+            steps = plans[epoch]
+            for k in range(progress["step_in_epoch"], len(steps)):
+                step = progress["global_step"]
+                lr = learning_rate(step, lr=t.lr, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps, total_steps=total_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                t0 = time.perf_counter()
+                micro_batches = [[examples[i] for i in mb] for mb in steps[k]]
+                n_trained = sum(e.n_trained for mb in micro_batches for e in mb)
+                step_loss, step_tokens = 0.0, 0
+                for mb in micro_batches:
+                    batch = pack(mb, setup.device)
+                    loss = -batch_logprobs(transformer, batch, options).sum() / n_trained
+                    loss.backward()
+                    step_loss += float(loss)
+                    step_tokens += batch.n_tokens
+                if not math.isfinite(step_loss):
+                    last = _latest_name(cfg)
+                    raise TrainingDiverged(
+                        f"step {step + 1}: the loss is {step_loss} (not finite); stopped without updating the adapter"
+                        + (f"; the last good checkpoint is {last}" if last else "") + " — try a lower training.lr"
+                    )
+                grad_norm = clip_gradients(params, t.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                elapsed = time.perf_counter() - t0
+                tokens_done += step_tokens
+                time_spent += elapsed
+                losses.append(step_loss)
+                progress.update(global_step=step + 1, epoch=epoch, step_in_epoch=k + 1)
+                tps = step_tokens / elapsed
+                metrics.log(step + 1, {
+                    "train/loss": step_loss, "train/lr": lr, "train/tokens_per_second": tps,
+                    "train/grad_norm": grad_norm, "train/epoch": epoch + 1, "system/rss_bytes": rss_bytes(),
+                })
+                reporter.advance(step + 1, f"loss={step_loss:.4f} lr={lr:.2e} tok/s={tps:.0f}")
+                if (step + 1) % row_every == 0 or step + 1 == total_steps:
+                    reporter.row({"epoch": epoch + 1, "step": step + 1, "train_loss": step_loss, "eval_loss": None, "lr": lr, "tok/s": tps})
+                if cfg.checkpoint and cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
+                    save(step_name(step + 1))
+            progress.update(epoch=epoch + 1, step_in_epoch=0)
+            last_epoch = epoch + 1 == t.epochs
+            if eval_examples and ((epoch + 1) % cfg.evaluation.every_iterations == 0 or last_epoch):
+                eval_loss, _ = mean_loss(setup, eval_examples, options)
+                metrics.log(progress["global_step"], {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50.0)), "train/epoch": epoch + 1})
+                stop = _after_eval(cfg, progress, eval_loss, epoch + 1, reporter, save)
+                reporter.row({"epoch": epoch + 1, "step": progress["global_step"], "train_loss": losses[-1] if losses else None, "eval_loss": eval_loss, "lr": None, "tok/s": None})
+            if stop:
+                break
+    finally:
+        reporter.finish()
+        metrics.close()
+    out = setup.export(cfg.output.path)
+    return SFTResult(
+        output=out,
+        steps=progress["global_step"],
+        epochs_done=progress["epoch"],
+        train_loss=losses[-1] if losses else float("nan"),
+        eval_loss=eval_loss,
+        tokens_per_second=tokens_done / time_spent if time_spent else 0.0,
+        losses=tuple(losses),
+    )
+
+
+def _after_eval(cfg: Config, progress: dict, eval_loss: float, epoch: int, reporter: Reporter, save) -> bool:
+    """Best-checkpoint bookkeeping and patience; returns True when training should stop."""
+    ev = cfg.evaluation
+    best = progress["best_eval"]
+    improved = best is None or eval_loss < best - ev.min_delta
+    ppl = math.exp(min(eval_loss, 50.0))
+    if improved:
+        progress.update(best_eval=eval_loss, stale_evals=0)
+        saved = ""
+        if cfg.checkpoint and "best_eval" in cfg.checkpoint.mode:
+            save("best")
+            saved = " (saved best.gguf)"
+        reporter.message(f"eval epoch {epoch}: loss {eval_loss:.4f}  perplexity {ppl:.2f}  best {eval_loss:.4f} ↓{saved}")
+        return False
+    progress["stale_evals"] += 1
+    reporter.message(f"eval epoch {epoch}: loss {eval_loss:.4f}  perplexity {ppl:.2f}  best {best:.4f}, stale {progress['stale_evals']}/{ev.patience or '∞'}")
+    return ev.patience is not None and progress["stale_evals"] >= ev.patience
+
+
+def _resume_point(cfg: Config, resume: Path | bool | None) -> Checkpoint | None:
+    if resume is None and cfg.checkpoint and cfg.checkpoint.resume_from:
+        resume = cfg.checkpoint.resume_from
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        if cfg.checkpoint is None:
+            raise DataError("--resume: the config has no [checkpoint] section, so there is nothing to resume")
+        found = latest_checkpoint(cfg.checkpoint.directory)
+        if found is None:
+            raise DataError(f"--resume: no checkpoint to resume in {cfg.checkpoint.directory}")
+        resume = found
+    return load_checkpoint(Path(resume))
+
+
+def _latest_name(cfg: Config) -> Path | None:
+    return latest_checkpoint(cfg.checkpoint.directory) if cfg.checkpoint else None

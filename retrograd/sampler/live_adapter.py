@@ -1,0 +1,82 @@
+"""The live LoRA: after each optimizer step the new weights go to llama.cpp as a file.
+
+llama.cpp 0.3.36 can only load an adapter from a GGUF file, so a refresh is: write the
+adapter with retrograd.gguf.adapter.write_adapter (the same bytes a user gets on export) to
+memory-backed storage, llama_adapter_lora_init, set it on the context as the only adapter,
+free the previous one. The folder is /dev/shm when the machine has one, so nothing touches
+a disk; it is removed when the sampler closes (or the process exits).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from retrograd.errors import GGUFError
+from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, write_adapter
+from retrograd.gguf.file import GGUFFile
+from retrograd.sampler.engine import Engine
+
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class RefreshTiming:
+    """Seconds spent in each part of one adapter refresh."""
+
+    write_s: float  # write_adapter to the memory-backed file
+    init_s: float  # llama_adapter_lora_init
+    set_s: float  # llama_set_adapters_lora, then freeing the previous adapter
+
+    @property
+    def total_s(self) -> float:
+        return self.write_s + self.init_s + self.set_s
+
+
+class LiveAdapter:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        base = GGUFFile(engine.path)
+        self.arch = str(base.require("general.architecture"))
+        self.base_shapes = {name: t.shape for name, t in base.tensors.items()}
+        self.folder = Path(tempfile.mkdtemp(prefix="retrograd-adapter-", dir=SHM if SHM.is_dir() else None))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
+        self.file = self.folder / "adapter.gguf"
+        self.current = None  # the llama_adapter_lora pointer applied now
+
+    def refresh(self, adapter, alpha: float | None) -> RefreshTiming:
+        """adapter: a retrograd.lora.Adapter, {base weight name: LoRAWeights} (then alpha is
+        required), or None for the base model."""
+        t0 = time.perf_counter()
+        if adapter is not None:
+            tensors, alpha = _tensors_and_alpha(adapter, alpha)
+            write_adapter(self.file, tensors, arch=self.arch, alpha=alpha, base_shapes=self.base_shapes)
+        t1 = time.perf_counter()
+        loaded = self.engine.load_adapter(self.file) if adapter is not None else None
+        t2 = time.perf_counter()
+        self.engine.set_adapter(loaded)
+        if self.current is not None:
+            self.engine.free_adapter(self.current)
+        self.current = loaded
+        t3 = time.perf_counter()
+        return RefreshTiming(t1 - t0, t2 - t1, t3 - t2)
+
+    def close(self) -> None:
+        """Detach and free the adapter (before the model goes) and remove the folder."""
+        if self.current is not None and self.engine.ctx:
+            self.engine.set_adapter(None)
+            self.engine.free_adapter(self.current)
+        self.current = None
+        self._cleanup()
+
+
+def _tensors_and_alpha(adapter, alpha: float | None) -> tuple[dict[str, LoRAWeights], float]:
+    if isinstance(adapter, dict):
+        if alpha is None:
+            raise GGUFError("sampler.set_adapter: alpha is required when the adapter is given as tensors")
+        return adapter, float(alpha)
+    return adapter_tensors(adapter), float(adapter.alpha if alpha is None else alpha)

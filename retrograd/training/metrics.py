@@ -1,0 +1,42 @@
+"""Where numbers go: metrics.jsonl beside the output (one JSON object per record) and,
+when [metrics].tensorboard_dir is set, TensorBoard event files (one subdirectory per run)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class MetricsSink:
+    def __init__(self, jsonl_path: Path, tensorboard_dir: Path | None = None, *, append: bool = False):
+        jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(jsonl_path, "a" if append else "w", encoding="utf-8")
+        self._tb = None
+        if tensorboard_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            run_dir = Path(tensorboard_dir) / time.strftime("run-%Y%m%d-%H%M%S")
+            self._tb = SummaryWriter(logdir=str(run_dir))
+        self.path = jsonl_path
+
+    def log(self, step: int, values: dict[str, float | int | str]) -> None:
+        record = {"step": step, "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

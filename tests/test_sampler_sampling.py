@@ -1,0 +1,57 @@
+"""One draw from one logits row: the distribution it samples, the log-prob it reports, and
+the option checks (no llama.cpp needed)."""
+
+import numpy as np
+import pytest
+
+from retrograd.errors import ConfigError
+from retrograd.sampler import Sampling, sample_token
+
+LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], dtype=np.float32)) + np.float32(3.0)  # any shift
+
+
+def frequencies(sampling: Sampling, draws: int = 20000) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    counts = np.bincount([sample_token(LOGITS, sampling, rng)[0] for _ in range(draws)], minlength=len(LOGITS))
+    return counts / draws
+
+
+def test_temperature_reshapes_and_logprob_stays_at_temperature_one():
+    p = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
+    for t in (1.0, 0.5, 2.0):
+        expected = p ** (1 / t) / (p ** (1 / t)).sum()
+        assert np.abs(frequencies(Sampling(4, temperature=t)) - expected).max() < 0.015
+    rng = np.random.default_rng(1)
+    for t, top_p in ((0.3, 1.0), (2.0, 0.6)):
+        token, logprob = sample_token(LOGITS, Sampling(4, temperature=t, top_p=top_p), rng)
+        assert logprob == pytest.approx(np.log(p[token]), abs=1e-6)  # full softmax, temperature 1
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    freq = frequencies(Sampling(4, top_p=0.8))  # 0.5 + 0.25 < 0.8 <= 0.5 + 0.25 + 0.15
+    assert (freq[3:] == 0).all() and (freq[:3] > 0).all()
+    assert np.abs(freq[:3] - np.array([0.5, 0.25, 0.15]) / 0.9).max() < 0.015
+    assert (frequencies(Sampling(4, top_p=0.4), draws=200)[1:] == 0).all()
+
+
+def test_one_draw_per_token_so_the_stream_only_depends_on_the_seed():
+    a, b = np.random.default_rng(7), np.random.default_rng(7)
+    sample_token(LOGITS, Sampling(4, top_p=0.5), a)
+    sample_token(LOGITS, Sampling(4, temperature=3.0), b)
+    assert a.random() == b.random()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": 0.0}, "temperature 0.0 must be a finite number > 0"),
+        ({"temperature": float("nan")}, "temperature nan"),
+        ({"top_p": 0.0}, "top_p 0.0 must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p 1.5 must be in (0, 1]"),
+        ({"max_new_tokens": 0}, "max_new_tokens 0 must be an integer >= 1"),
+    ],
+)
+def test_bad_options_are_one_line_errors(kwargs, message):
+    with pytest.raises(ConfigError) as e:
+        Sampling(**({"max_new_tokens": 4} | kwargs))
+    assert message in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,216 @@
+"""SFT end to end: the exported adapter reproduces our model in stock llama.cpp, a killed
+run resumes bit for bit, and bad input stops with one line before anything is written."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import retrograd
+from llama_ref import agreement, llama_logits
+from retrograd.config import load_config
+from retrograd.gguf.adapter import read_adapter
+from retrograd.lora import attach_lora
+from retrograd.recipes import sft
+from retrograd.recipes.common import load_adapter_weights
+from retrograd.training.report import SilentReporter
+
+RETROGRAD = [sys.executable, "-m", "retrograd"]
+
+
+def write_chat(path: Path, n: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            msgs = [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def write_config(tmp: Path, model: Path, *, extra: str = "", training: str = "", checkpoint: str = "") -> Path:
+    data = write_chat(tmp / "train.jsonl", 24)
+    cfg = tmp / "run.toml"
+    cfg.write_text(
+        f"""
+[run]
+algorithm = "sft"
+[model]
+path = "{model}"
+[output]
+path = "out/adapter.gguf"
+[lora]
+rank = 4
+alpha = 8.0
+dtype = "f32"
+[training]
+ctx = 64
+micro_batch = 96
+gradient_accumulation = 2
+lr = 5e-3
+compute_dtype = "f32"
+threads = 2
+{training}
+[sft]
+data = "{data.name}"
+{checkpoint}
+{extra}
+"""
+    )
+    return cfg
+
+
+def model_with_adapter(base: Path, adapter_path: Path):
+    model = retrograd.load_model(base)
+    loaded = read_adapter(adapter_path)
+    adapter = attach_lora(model.transformer, list(loaded.tensors), loaded.rank, loaded.alpha, seed=0)
+    load_adapter_weights(adapter, adapter_path)
+    return model, adapter
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_exported_adapter_reproduces_our_model_in_llama_cpp(tmp_path, tiny_model, arch, ordinary_text):
+    base = tiny_model(arch)
+    result = sft.run(load_config(write_config(tmp_path, base, training="epochs = 2")), SilentReporter())
+    assert result.steps >= 4 and result.output.is_file()
+    model, adapter = model_with_adapter(base, result.output)
+    ids = model.tokenize(ordinary_text)[:200]
+    ours, ref = model.logits(ids), llama_logits(base, ids, lora_path=result.output)
+    assert (ours - ref).abs().max() <= 1e-3
+    with adapter.disabled():
+        assert (model.logits(ids) - ref).abs().max() > 1e-2  # the adapter changed the model
+
+
+def test_exported_adapter_on_quantized_smollm2(tmp_path, smollm2, ordinary_text):
+    cfg = write_config(tmp_path, smollm2, training="compute_dtype = \"bf16\"\nmax_grad_norm = 0.0")
+    result = sft.run(load_config(cfg), SilentReporter())
+    model, adapter = model_with_adapter(smollm2, result.output)
+    ids = model.tokenize(ordinary_text)[:256]
+    ref = llama_logits(smollm2, ids, lora_path=result.output, kv_f32=False)
+    kl, top1 = agreement(ref, model.logits(ids))
+    assert kl <= 1.5e-2 and top1 >= 0.90, (kl, top1)
+    base_ref = llama_logits(smollm2, ids, kv_f32=False)
+    assert (ref - base_ref).abs().max() > 0.1
+
+
+def losses_by_step(metrics: Path) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out.setdefault(rec["step"], []).append(rec["train/loss"])
+    return out
+
+
+def test_killed_run_resumes_bit_for_bit(tmp_path, tiny_model):
+    base = tiny_model("llama")
+    ckpt = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 1'
+    straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
+    for d in (straight_dir, killed_dir):
+        d.mkdir()
+        write_config(d, base, training="epochs = 3\nlr_scheduler = \"cosine\"\nwarmup_steps = 2", checkpoint=ckpt)
+    subprocess.run([*RETROGRAD, "train", "run.toml"], cwd=straight_dir, check=True, capture_output=True)
+    reference = {s: v[0] for s, v in losses_by_step(straight_dir / "out/metrics.jsonl").items()}
+    assert len(reference) >= 12
+
+    kill_after = random.Random().randint(2, len(reference) - 3)
+    proc = subprocess.Popen([*RETROGRAD, "train", "run.toml"], cwd=killed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = killed_dir / "out/metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (killed_dir / "out/adapter.gguf").exists()
+
+    resumed = subprocess.run([*RETROGRAD, "train", "run.toml", "--resume"], cwd=killed_dir, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    seen = losses_by_step(metrics)
+    assert set(seen) == set(reference)
+    for step, values in seen.items():
+        assert all(v == reference[step] for v in values), (step, values, reference[step])
+    a, b = read_adapter(straight_dir / "out/adapter.gguf"), read_adapter(killed_dir / "out/adapter.gguf")
+    assert all((a.tensors[n].b == b.tensors[n].b).all() for n in a.tensors)
+
+
+def test_resume_refuses_a_changed_setting(tmp_path, tiny_model):
+    cfg = write_config(tmp_path, tiny_model("llama"), checkpoint='[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 2')
+    sft.run(load_config(cfg), SilentReporter())
+    cfg.write_text(cfg.read_text().replace("lr = 5e-3", "lr = 1e-3"))
+    r = subprocess.run([*RETROGRAD, "train", str(cfg), "--resume"], capture_output=True, text=True)
+    assert r.returncode == 2 and "training differs" in r.stderr and "Traceback" not in r.stderr
+
+
+def one_line_error(result, *needles):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_config_errors_are_one_line(tmp_path, tiny_model):
+    cfg = write_config(tmp_path, tiny_model("llama"), extra='[grpo]\nupdates = 1')
+    cfg.write_text(cfg.read_text().replace("rank = 4", "rnak = 4").replace("lr = 5e-3", "lr = -1.0").replace('compute_dtype = "f32"', 'compute_dtype = "fp8"'))
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True)
+    one_line_error(r, "lora.rnak: unknown key (did you mean lora.rank?)", "training.lr = -1.0: expected a finite number > 0",
+                   "training.compute_dtype = 'fp8': expected one of", "[grpo] does not belong to algorithm 'sft'")
+
+
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("empty dataset", "empty"),
+        ("no assistant turn", "train.jsonl:2"),
+        ("not utf-8", "UTF-8"),
+        ("output folder not writable", "not writable"),
+        ("nothing to resume", "no checkpoint to resume"),
+        ("generation key in sft", "training.generation_concurrency applies to rollout algorithms"),
+    ],
+)
+def test_bad_input_stops_before_writing(tmp_path, tiny_model, case, needle):
+    cfg = write_config(tmp_path, tiny_model("llama"), checkpoint='[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 2')
+    data = tmp_path / "train.jsonl"
+    args = []
+    if case == "empty dataset":
+        data.write_text("")
+    elif case == "no assistant turn":
+        lines = data.read_text().splitlines()
+        lines[1] = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        data.write_text("\n".join(lines))
+    elif case == "not utf-8":
+        data.write_bytes(b"\xff\xfe\x00bad")
+    elif case == "output folder not writable":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out").chmod(0o500)
+        if os.geteuid() == 0:
+            cfg.write_text(cfg.read_text().replace('path = "out/adapter.gguf"', 'path = "/proc/adapter.gguf"'))
+    elif case == "nothing to resume":
+        args = ["--resume"]
+    elif case == "generation key in sft":
+        cfg.write_text(cfg.read_text().replace("threads = 2", "threads = 2\ngeneration_concurrency = 4"))
+    r = subprocess.run([*RETROGRAD, "train", str(cfg), *args], capture_output=True, text=True)
+    one_line_error(r, needle)
+    assert not (tmp_path / "out/adapter.gguf").exists()
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model):
+    cfg = write_config(
+        tmp_path, tiny_model("llama"), training="lr = 1e30\nmax_grad_norm = 0.0\nepochs = 3",
+        checkpoint='[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 1',
+    )
+    cfg.write_text(cfg.read_text().replace("lr = 5e-3\n", ""))
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True)
+    one_line_error(r, "not finite", "last good checkpoint")
+    assert not (tmp_path / "out/adapter.gguf").exists()
+    assert (tmp_path / "ckpt/step-000000000001.state/manifest.json").is_file()
