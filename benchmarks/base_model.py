@@ -36,20 +36,20 @@ def measure(model: str, mode: str, dtype: str, tokens: list[int]) -> dict:
     m = load_model(path, weights=mode, compute_dtype=dtype)
     t = m.transformer
     with torch.no_grad():
-        t(torch.zeros(1, 8, dtype=torch.long))  # touch every weight page once (and compile kernels)
+        t(torch.zeros(8, dtype=torch.long))  # touch every weight page once (and compile kernels)
     out = {"file": m.file_size, "rss": rss_bytes() - before, "held": m.weight_bytes}
     attach_lora(t, ["auto"], rank=8, alpha=16.0, seed=0)
     gen = torch.Generator().manual_seed(0)
     for n in tokens:
-        ids = torch.randint(0, m.spec.n_vocab, (1, n + 1), generator=gen)
-        x, y = ids[:, :-1], ids[0, 1:]
+        ids = torch.randint(0, m.spec.n_vocab, (n + 1,), generator=gen)
+        x, y = ids[:-1], ids[1:]
 
         def forward():
             with torch.no_grad():
                 t(x)
 
         def train_step():
-            lp, _ = token_logprobs(t(x)[0], t.output, y, compute_dtype=t.compute_dtype)
+            lp, _ = token_logprobs(t(x), t.output, y, compute_dtype=t.compute_dtype)
             (-lp.mean()).backward()
 
         for name, fn in (("fwd", forward), ("fwdbwd", train_step)):

@@ -9,9 +9,11 @@ path alone for each VOCAB_TILExTOKEN_CHUNK given, which is how the defaults were
 Each (case, head, path) runs in a fresh subprocess, so one measurement's freed-but-cached memory
 cannot hide the next one's. In the child the inputs (head, hidden, ids) are allocated and a small
 problem of the same kind is run once to load libraries and compile kernels; after malloc_trim
-returns the memory it freed, the resident set size is the baseline. The peak is the larger of a 1 ms psutil sampling thread's maximum and
-ru_maxrss (when ru_maxrss grew during the run), minus the baseline. Time is the best of
-`--repeats` forward+backward runs after that first, measured one.
+returns the memory it freed, the resident set size is the baseline. The peak is the larger of a
+1 ms psutil sampling thread's maximum and ru_maxrss (when ru_maxrss grew during the run), minus
+the baseline. Time is the best of the measured first run and `--repeats` more. On a machine shared
+with other jobs, two torch threads make the chunked path's many small ops wait on each other;
+`--threads 1` shows the work itself.
 """
 
 from __future__ import annotations
@@ -122,10 +124,12 @@ def compare(cases: list[str], heads: list[str], repeats: int) -> None:
         for head_kind in heads:
             dense = run_child(case, head_kind, "dense", repeats)
             chunked = run_child(case, head_kind, "chunked", repeats)
+            mem_ratio = dense["peak_mib"] / chunked["peak_mib"]
+            time_ratio = chunked["seconds"] / dense["seconds"]
             print(
                 f"{case:8} {n_vocab:>7} {n_rows:>5} {n_embd:>4} {head_kind:5} | "
-                f"{dense['peak_mib']:>9.0f} {chunked['peak_mib']:>9.1f} {dense['peak_mib'] / chunked['peak_mib']:>5.0f}x | "
-                f"{dense['seconds']:>8.2f} {chunked['seconds']:>8.2f} {chunked['seconds'] / dense['seconds']:>5.2f}x",
+                f"{dense['peak_mib']:>9.0f} {chunked['peak_mib']:>9.1f} {mem_ratio:>5.0f}x | "
+                f"{dense['seconds']:>8.2f} {chunked['seconds']:>8.2f} {time_ratio:>5.2f}x",
                 flush=True,
             )
 

@@ -88,8 +88,8 @@ class _Blocks:
     (forward) or gradient (backward). Fresh tensors per block would leave glibc to recycle them
     and its heap then grows to several times the two blocks that are ever alive."""
 
-    def __init__(self, plan: _Plan, n_rows: int, device: torch.device):
-        size = min(plan.token_chunk, n_rows) * plan.vocab_tile
+    def __init__(self, plan: _Plan, n_rows: int, n_vocab: int, device: torch.device):
+        size = min(plan.token_chunk, n_rows) * min(plan.vocab_tile, n_vocab)
         self.plan = plan
         self._logits = torch.empty(size, dtype=plan.sum_dtype, device=device)
         self._scratch = torch.empty(size, dtype=plan.sum_dtype, device=device)
@@ -138,7 +138,7 @@ def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor,
     top_vals = torch.full((n_rows, plan.topk), float("-inf"), **new)  # [N, k]
     top_ids = torch.zeros(n_rows, plan.topk, dtype=torch.long, device=hidden.device)  # [N, k]
 
-    blocks = _Blocks(plan, n_rows, hidden.device)
+    blocks = _Blocks(plan, n_rows, n_vocab, hidden.device)
     for start, stop in _spans(n_vocab, plan.vocab_tile):
         tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
         for r0, r1 in _spans(n_rows, plan.token_chunk):
@@ -180,7 +180,7 @@ def _stream_backward(
     g_total = g.sum(1, keepdim=True)  # [N, 1]
     grad_hidden = torch.zeros(hidden.shape, dtype=plan.sum_dtype, device=hidden.device)  # [N, E]
 
-    blocks = _Blocks(plan, n_rows, hidden.device)
+    blocks = _Blocks(plan, n_rows, head.shape[0], hidden.device)
     for start, stop in _spans(head.shape[0], plan.vocab_tile):
         tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
         for r0, r1 in _spans(n_rows, plan.token_chunk):

@@ -80,11 +80,11 @@ def run_preflight(
     adapter = attach_lora(model.transformer, targets, rank, alpha, seed=0)
 
     ids = model.tokenize(PROBE_TEXT * 4)[: PROBE_TOKENS + 1]
-    tokens = torch.tensor([ids[:-1]], device=device)
+    tokens = torch.tensor(ids[:-1], device=device)
     targets_t = torch.tensor(ids[1:], device=device)
     t0 = time.perf_counter()
     with PeakMemory() as peak:
-        hidden = model.transformer(tokens)[0]  # [T, E]
+        hidden = model.transformer(tokens)  # [T, E]
         logprobs, _ = token_logprobs(hidden, model.transformer.output, targets_t, compute_dtype=model.compute_dtype)
         loss = -logprobs.mean()
         loss.backward()

@@ -5,7 +5,7 @@ import torch
 
 import retrograd
 from retrograd.lora import attach_lora
-from retrograd.training.batches import TokenSequence, batch_logprobs, pack, plan_micro_batches
+from retrograd.training.batches import Group, TokenSequence, batch_logprobs, pack, plan_micro_batches
 from retrograd.training.optim import learning_rate
 
 
@@ -25,6 +25,19 @@ def test_packed_rows_equal_separate_rows(tiny_model):
         separate = torch.cat([batch_logprobs(model, pack([s])) for s in seqs])
         torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
         assert packed.shape[0] == sum(s.n_trained for s in seqs)
+
+
+def test_shared_prefix_equals_each_member_on_its_own(tiny_model):
+    """GRPO scoring: a prompt packed once with its completions gives each completion the
+    log-probs it has as a plain sequence prompt + completion."""
+    for arch in ("qwen2", "gemma3"):
+        model = retrograd.load_model(tiny_model(arch)).transformer
+        prompt = tuple(range(500, 530))
+        completions = [tuple(range(600, 612)), tuple(range(700, 703)), tuple(range(800, 825))]
+        members = tuple(TokenSequence(c, (True,) * len(c)) for c in completions)
+        shared = batch_logprobs(model, pack([Group(prompt, members), seq(range(40, 70))]))
+        alone = [batch_logprobs(model, pack([TokenSequence(prompt + c, (False,) * len(prompt) + (True,) * len(c))])) for c in completions]
+        torch.testing.assert_close(shared[: sum(map(len, completions))], torch.cat(alone), rtol=1e-5, atol=1e-5)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model):

@@ -59,8 +59,8 @@ def test_same_seed_same_init_and_gradients_reach_every_adapter(tiny):
     a2 = attach_lora(model.transformer, ["q", "ffn_down"], rank=2, alpha=4.0, seed=7)
     for name in a1.layers:
         assert torch.equal(a1.layers[name].lora_a, a2.layers[name].lora_a)
-    hidden = model.transformer(torch.tensor([list(range(50, 70))]))
-    model.transformer.head(hidden[0]).logsumexp(-1).sum().backward()
+    hidden = model.transformer(torch.tensor(list(range(50, 70))))
+    model.transformer.head(hidden).logsumexp(-1).sum().backward()
     assert all(layer.lora_b.grad is not None and layer.lora_b.grad.abs().sum() > 0 for layer in a2.layers.values())
     assert not any(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in model.transformer.buffers())
     assert len(frozen_linears(model.transformer)) == 14  # still found inside their LoRA wrappers

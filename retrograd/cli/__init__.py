@@ -1,6 +1,6 @@
 """The `retrograd` command. Each command module registers itself on `app`; `main` turns a
-RetrogradError into one `error: ...` line on stderr and exit code 2 (RETROGRAD_DEBUG=1
-shows the traceback)."""
+RetrogradError or a usage error into one `error: ...` line on stderr and exit code 2
+(RETROGRAD_DEBUG=1 shows the traceback)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,30 @@ app = typer.Typer(
 from retrograd.cli import model as _model  # noqa: E402,F401  (registers inspect, preflight)
 from retrograd.cli import train as _train  # noqa: E402,F401  (registers train)
 
+# options whose value is optional: alone (last, or before another option) they mean this
+OPTIONAL_VALUES = {"--resume": "latest"}
+
+
+def _expand_optional_values(argv: list[str]) -> list[str]:
+    out = []
+    for i, arg in enumerate(argv):
+        alone = i + 1 == len(argv) or argv[i + 1].startswith("-")
+        out.append(f"{arg}={OPTIONAL_VALUES[arg]}" if arg in OPTIONAL_VALUES and alone else arg)
+    return out
+
 
 def main() -> None:
     try:
-        app()
+        code = app(args=_expand_optional_values(sys.argv[1:]), standalone_mode=False)
     except RetrogradError as e:
         if os.environ.get("RETROGRAD_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except typer.TyperException as e:  # usage errors (typer's own click)
+        print(f"error: {e.format_message()} (see retrograd --help)", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
+    except (KeyboardInterrupt, typer.Abort):
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

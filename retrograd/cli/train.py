@@ -19,7 +19,7 @@ from retrograd.cli.progress import ConsoleReporter
 def train(
     config: Path = typer.Argument(..., help="The run's TOML file."),
     resume: Optional[str] = typer.Option(
-        None, "--resume", flag_value="latest", is_flag=False,
+        None, "--resume", metavar="[CKPT]",
         help="Continue from a checkpoint: a .state directory; alone, the newest in [checkpoint].directory.",
     ),
     model: ModelOpt = None,

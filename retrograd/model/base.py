@@ -44,8 +44,8 @@ class BaseModel:
     @torch.no_grad()
     def logits(self, ids: list[int]) -> torch.Tensor:
         """float32 [len(ids), n_vocab]: next-token logits after each prefix."""
-        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.transformer.device)
-        hidden = self.transformer(tokens)[0]  # [T, E]
+        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.transformer.device)
+        hidden = self.transformer(tokens)  # [T, E]
         v = self.spec.n_vocab
         tiles = [self.transformer.head(hidden, s, min(s + HEAD_TILE, v)) for s in range(0, v, HEAD_TILE)]
         return torch.cat(tiles, -1).cpu()

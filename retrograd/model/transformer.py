@@ -5,10 +5,13 @@ gemma3}.cpp); architecture differences are ModelSpec fields. The residual stream
 and RoPE run in float32; matmuls and attention run in `compute_dtype` (float32 or
 bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
 
-Shapes: B batch rows, T tokens per row, H query heads, K kv heads, D head size, E n_embd.
+Shapes: T tokens in the flat stream of a micro-batch, R attention rows of L slots (see
+Layout), H query heads, K kv heads, D head size, E n_embd.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -76,14 +79,14 @@ class RotaryTable:
             self._build(max(n_pos, 2 * self.cos.shape[0], 256))
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        return self.cos[positions], self.sin[positions]  # [B, T, n_rot/2]
+        return self.cos[positions], self.sin[positions]  # [T, n_rot/2]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-    """x [B, T, H, D] float32; rotates the first n_rot dims of each head."""
+    """x [T, H, D] float32; rotates the first n_rot dims of each head."""
     n_rot = cos.shape[-1] * 2
     rot, rest = x[..., :n_rot], x[..., n_rot:]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, n_rot/2]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, n_rot/2]
     if style == "norm":  # interleaved pairs (x[2i], x[2i+1])
         x0, x1 = rot[..., 0::2], rot[..., 1::2]
         rot = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
@@ -93,16 +96,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
-def attention_mask(positions: torch.Tensor, segments: torch.Tensor | None, window: int) -> torch.Tensor:
-    """[B, 1, T, T] bool, True = may attend: causal by row order, within one segment (packed
-    examples never see each other), and inside the sliding window when there is one."""
-    T = positions.shape[1]
-    allowed = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().unsqueeze(0)  # [1, T, T]
-    if segments is not None:
-        allowed = allowed & (segments.unsqueeze(2) == segments.unsqueeze(1))
-    if window:
-        allowed = allowed & (positions.unsqueeze(2) - positions.unsqueeze(1) < window)
-    return allowed.unsqueeze(1)
+@dataclass(frozen=True)
+class Layout:
+    """How the flat token stream [T] of a micro-batch is cut into causal attention rows.
+
+    Each row lists flat token indices in attention order, padded at the end with T (an
+    all-zero slot that no real token can see under the causal mask). Packed examples are
+    separate rows, so they never see each other. A member of a group that shares a prefix
+    (GRPO's prompt) is the row prefix + member: its tokens see the prefix, whose
+    projections are computed once in the flat stream, and nothing else. Every token's
+    output is read back from one slot (`out_index`)."""
+
+    rows: torch.Tensor  # [R, L] flat token index per slot, T = padding
+    out_index: torch.Tensor  # [T] slot (in the flattened [R * L] grid) each token's output comes from
+    positions: torch.Tensor  # [T] RoPE position of each token
+
+    @staticmethod
+    def single(n_tokens: int, device: torch.device | str = "cpu") -> Layout:
+        idx = torch.arange(n_tokens, device=device)
+        return Layout(idx.unsqueeze(0), idx, idx)
+
+    @staticmethod
+    def from_rows(rows: list[list[int]], positions: list[int], out_slot: list[tuple[int, int]], device="cpu") -> Layout:
+        n, width = len(positions), max(len(r) for r in rows)
+        grid = torch.full((len(rows), width), n, dtype=torch.long)
+        for i, r in enumerate(rows):
+            grid[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        out = torch.tensor([row * width + col for row, col in out_slot], dtype=torch.long)
+        return Layout(grid.to(device), out.to(device), torch.tensor(positions, dtype=torch.long, device=device))
+
+    @property
+    def trivial(self) -> bool:
+        return self.rows.shape[0] == 1 and self.rows.shape[1] == self.positions.shape[0]
+
+    def window_mask(self, window: int) -> torch.Tensor | None:
+        """[R, 1, L, L] bool for a sliding window (None when no row is long enough for it to bind)."""
+        if not window or self.rows.shape[1] <= window:
+            return None
+        pos = torch.cat([self.positions, self.positions.new_zeros(1)])[self.rows]  # [R, L]
+        L = self.rows.shape[1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=pos.device).tril()
+        return (causal & (pos.unsqueeze(2) - pos.unsqueeze(1) < window)).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -119,22 +153,26 @@ class Attention(nn.Module):
         self.scale = spec.attn_scale
         self.rope_style = spec.rope_style
 
-    def forward(self, x, rope, mask, compute_dtype):
-        B, T, _ = x.shape
+    def forward(self, x, rope, layout: Layout, mask, compute_dtype):
+        T = x.shape[0]
         h = x.to(compute_dtype)
-        q = self.attn_q(h).float().view(B, T, self.n_head, self.head_dim)  # [B, T, H, D]
-        k = self.attn_k(h).float().view(B, T, self.n_head_kv, self.head_dim)  # [B, T, K, D]
-        v = self.attn_v(h).view(B, T, self.n_head_kv, -1)  # [B, T, K, Dv]
+        q = self.attn_q(h).float().view(T, self.n_head, self.head_dim)  # [T, H, D]
+        k = self.attn_k(h).float().view(T, self.n_head_kv, self.head_dim)  # [T, K, D]
+        v = self.attn_v(h).view(T, self.n_head_kv, -1)  # [T, K, Dv]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q = apply_rope(q, cos, sin, self.rope_style)
-        k = apply_rope(k, cos, sin, self.rope_style)
-        q, k, v = (t.transpose(1, 2).to(compute_dtype) for t in (q, k, v))  # [B, heads, T, D]
+        q = apply_rope(q, cos, sin, self.rope_style).to(compute_dtype)
+        k = apply_rope(k, cos, sin, self.rope_style).to(compute_dtype)
+        if layout.trivial:
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, D]
+        else:  # gather into rows, with a zero slot for padding
+            q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[layout.rows].transpose(1, 2) for t in (q, k, v))  # [R, heads, L, D]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.n_head != self.n_head_kv
-        )  # [B, H, T, Dv]
-        return self.attn_output(out.transpose(1, 2).reshape(B, T, -1))
+        )  # [R, H, L, Dv]
+        out = out.transpose(1, 2).reshape(-1, self.n_head * out.shape[-1])  # [R * L, H * Dv]
+        return self.attn_output(out if layout.trivial else out[layout.out_index])  # [T, E]
 
 
 class FeedForward(nn.Module):
@@ -164,8 +202,8 @@ class Block(nn.Module):
         self.post_ffw_norm = RMSNorm(vec[p + "post_ffw_norm.weight"], spec.norm_eps) if spec.sandwich_norm else None
         self.sliding = spec.swa_layers[i]
 
-    def forward(self, x, rope, mask, compute_dtype):
-        a = self.attn(self.attn_norm(x), rope, mask, compute_dtype).float()
+    def forward(self, x, rope, layout, mask, compute_dtype):
+        a = self.attn(self.attn_norm(x), rope, layout, mask, compute_dtype).float()
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
         x = x + a
@@ -213,34 +251,24 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.token_embd.data.device
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        segments: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """tokens [B, T] -> final normed hidden states [B, T, E] (float32).
-
-        positions default to 0..T-1; `segments` [B, T] marks packed examples that must
-        not attend to each other (positions should then restart in each segment)."""
-        B, T = tokens.shape
-        if positions is None:
-            positions = torch.arange(T, device=tokens.device).expand(B, T)
+    def forward(self, tokens: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
+        """tokens [T] -> final normed hidden states [T, E] (float32). Without a layout the
+        tokens are one sequence at positions 0..T-1."""
+        layout = layout or Layout.single(tokens.shape[0], tokens.device)
         cdt = self.compute_dtype
-        x = self.token_embd.rows(tokens, torch.float32) * self.spec.embed_scale  # [B, T, E]
-        plain = segments is None
-        mask_global = None if plain else attention_mask(positions, segments, 0)
-        mask_local = attention_mask(positions, segments, self.spec.sliding_window) if any(self.spec.swa_layers) else None
-        rope_global = self.rope_global(positions)
-        rope_local = self.rope_local(positions) if mask_local is not None else None
+        x = self.token_embd.rows(tokens, torch.float32) * self.spec.embed_scale  # [T, E]
+        rope_global = self.rope_global(layout.positions)
+        sliding = any(self.spec.swa_layers)
+        rope_local = self.rope_local(layout.positions) if sliding else None
+        mask_local = layout.window_mask(self.spec.sliding_window) if sliding else None
 
         def run(blocks, x):
             x = x.float()
             for block in blocks:
                 if block.sliding:
-                    x = block(x, rope_local, mask_local, cdt)
+                    x = block(x, rope_local, layout, mask_local, cdt)
                 else:
-                    x = block(x, rope_global, mask_global, cdt)
+                    x = block(x, rope_global, layout, None, cdt)
             return x
 
         every = self.checkpoint_every if torch.is_grad_enabled() else 0

@@ -152,7 +152,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                     batch = pack(mb, setup.device)
                     loss = -batch_logprobs(transformer, batch, options).sum() / n_trained
                     loss.backward()
-                    step_loss += float(loss)
+                    step_loss += float(loss.detach())
                     step_tokens += batch.n_tokens
                 if not math.isfinite(step_loss):
                     last = _latest_name(cfg)

@@ -2,9 +2,10 @@
 path from token ids to differentiable per-token log-probs, shared by SFT, GRPO scoring and
 distillation.
 
-A micro-batch is one row of packed sequences: positions restart in each sequence and
-attention never crosses a sequence boundary (`segments`), except that a sequence may see
-a shared prefix packed once before it (GRPO scores a group's prompt once).
+A micro-batch is a flat stream of packed sequences: positions restart in each sequence and
+attention never crosses a sequence boundary (see model.transformer.Layout), except that a
+group's members all see their shared prefix, packed and computed once (GRPO scores a
+group's prompt once).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Sequence
 import torch
 
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, TOKEN_CHUNK, VOCAB_TILE
-from retrograd.model.transformer import Transformer
+from retrograd.model.transformer import Layout, Transformer
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,10 @@ class LogprobOptions:
 
 @dataclass(frozen=True)
 class TokenSequence:
-    """ids and a loss mask: mask[i] is True when predicting ids[i] from ids[:i] counts."""
+    """ids and a loss mask: mask[i] is True when predicting ids[i] from what precedes it counts."""
 
     ids: tuple[int, ...]
     mask: tuple[bool, ...]
-
-    def __post_init__(self):
-        assert len(self.ids) == len(self.mask) and not (self.mask and self.mask[0]), "mask[0] can never be trained"
 
     @property
     def n_trained(self) -> int:
@@ -52,47 +50,63 @@ class TokenSequence:
 
 
 @dataclass(frozen=True)
+class Group:
+    """A prefix packed once and members that each continue it: GRPO's prompt and its
+    completions. A member's mask[0] may be True (its first token follows the prefix)."""
+
+    prefix: tuple[int, ...]
+    members: tuple[TokenSequence, ...]
+
+
+@dataclass(frozen=True)
 class PackedBatch:
-    tokens: torch.Tensor  # [1, T]
-    positions: torch.Tensor  # [1, T]
-    segments: torch.Tensor | None  # [1, T]; None when the row holds one sequence
-    hidden_index: torch.Tensor  # [N] rows of the hidden states that predict a trained token
+    tokens: torch.Tensor  # [T] every token once (a shared prefix too)
+    layout: Layout  # how the tokens are cut into attention rows
+    hidden_index: torch.Tensor  # [N] hidden-state rows that predict a trained token
     targets: torch.Tensor  # [N] the trained token ids
-    sequence_index: torch.Tensor  # [N] which packed sequence each trained token belongs to
+    sequence_index: torch.Tensor  # [N] which packed sequence (group member) each belongs to
     n_sequences: int
 
     @property
     def n_tokens(self) -> int:
-        return self.tokens.shape[1]
+        return self.tokens.shape[0]
 
 
-def pack(sequences: Sequence[TokenSequence], device: torch.device | str = "cpu") -> PackedBatch:
-    ids, positions, segments, hidden_index, targets, owner = [], [], [], [], [], []
-    offset = 0
-    for s, seq in enumerate(sequences):
-        n = len(seq.ids)
-        ids.extend(seq.ids)
-        positions.extend(range(n))
-        segments.extend([s] * n)
-        for i, trained in enumerate(seq.mask):
-            if trained:
-                hidden_index.append(offset + i - 1)
-                targets.append(seq.ids[i])
-                owner.append(s)
-        offset += n
+def pack(items: Sequence, device: torch.device | str = "cpu") -> PackedBatch:
+    """Sequences (anything with .ids and .mask) and Groups -> one packed micro-batch."""
+    ids: list[int] = []
+    positions: list[int] = []
+    rows: list[list[int]] = []
+    out_slot: list[tuple[int, int]] = []
+    hidden_index, targets, owner = [], [], []
+    n_sequences = 0
+    for item in items:
+        group = item if isinstance(item, Group) else Group((), (item,))
+        prefix = list(range(len(ids), len(ids) + len(group.prefix)))
+        ids += group.prefix
+        positions += range(len(prefix))
+        out_slot += [(len(rows), col) for col in range(len(prefix))]  # read from the first member's row
+        for member in group.members or (TokenSequence((), ()),):
+            start = len(ids)
+            own = list(range(start, start + len(member.ids)))
+            ids += member.ids
+            positions += range(len(prefix), len(prefix) + len(own))
+            out_slot += [(len(rows), len(prefix) + col) for col in range(len(own))]
+            rows.append(prefix + own)
+            for i, trained in enumerate(member.mask):
+                if trained:
+                    if i == 0 and not prefix:
+                        raise ValueError("the first token of a sequence without a prefix cannot be trained")
+                    hidden_index.append(start + i - 1 if i else prefix[-1])
+                    targets.append(member.ids[i])
+                    owner.append(n_sequences)
+            n_sequences += bool(member.ids)
 
     def t(values):
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return PackedBatch(
-        tokens=t([ids]),
-        positions=t([positions]),
-        segments=t([segments]) if len(sequences) > 1 else None,
-        hidden_index=t(hidden_index),
-        targets=t(targets),
-        sequence_index=t(owner),
-        n_sequences=len(sequences),
-    )
+    layout = Layout.single(len(ids), device) if len(rows) == 1 else Layout.from_rows(rows, positions, out_slot, device)
+    return PackedBatch(t(ids), layout, t(hidden_index), t(targets), t(owner), n_sequences)
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -114,7 +128,7 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 def batch_logprobs(model: Transformer, batch: PackedBatch, options: LogprobOptions = LogprobOptions()) -> torch.Tensor:
     """Log-probabilities [N] of the batch's trained tokens, differentiable w.r.t. the LoRA."""
-    hidden = model(batch.tokens, batch.positions, batch.segments)[0]  # [T, E]
+    hidden = model(batch.tokens, batch.layout)  # [T, E]
     selected = hidden.index_select(0, batch.hidden_index)  # [N, E]: logits only where loss is
     logprobs, _ = LOGPROB_PATHS[options.path](
         selected,
