@@ -25,13 +25,18 @@ def measure(model: str, mode: str, dtype: str, tokens: list[int]) -> dict:
     import torch
 
     from retrograd.bundled import default_model_path, gemma3_path
+    from retrograd.gguf.file import GGUFFile
     from retrograd.kernels.chunked_logprobs import token_logprobs
+    from retrograd.kernels.dequant import CODECS, dequantize
     from retrograd.lora import attach_lora
     from retrograd.memory import rss_bytes
     from retrograd.model.base import load_model
 
     torch.set_num_threads(2)
     path = default_model_path() if model == "smollm2" else gemma3_path()
+    for qtype in {t.qtype for t in GGUFFile(path).tensors.values()} & set(CODECS):  # compile kernels first:
+        codec = CODECS[qtype]  # the baseline then holds torch, inductor and llama.cpp, not the model
+        dequantize(torch.zeros(4 * codec.type_size, dtype=torch.uint8), qtype, (4 * codec.block_size,))
     before = rss_bytes()
     m = load_model(path, weights=mode, compute_dtype=dtype)
     t = m.transformer
@@ -54,11 +59,12 @@ def measure(model: str, mode: str, dtype: str, tokens: list[int]) -> dict:
 
         for name, fn in (("fwd", forward), ("fwdbwd", train_step)):
             fn()  # warm-up
-            t0 = time.perf_counter()
-            reps = 3 if n <= 256 else 1
-            for _ in range(reps):
+            times = []
+            for _ in range(5 if n <= 256 else 3):
+                t0 = time.perf_counter()
                 fn()
-            out[f"{name}{n}"] = n * reps / (time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0)
+            out[f"{name}{n}"] = n / sorted(times)[len(times) // 2]  # median
     return out
 
 
@@ -86,14 +92,14 @@ def main() -> None:
                 print(f"measured {model} {mode} {dtype}", file=sys.stderr)
 
     mib = 2**20
-    print("\nResident memory of the loaded base (RSS increase after load + one forward)")
+    print("\nResident memory of the loaded base (RSS increase from load + one forward, over a baseline with kernels compiled)")
     print(f"{'model':<8} {'weights':<10} {'file MiB':>9} {'held MiB':>9} {'RSS MiB':>9} {'RSS/file':>9}")
     for model in models:
         for mode in MODES:
             r = rows[model, mode, "f32"]
             print(f"{model:<8} {mode:<10} {r['file'] / mib:9.1f} {r['held'] / mib:9.1f} {r['rss'] / mib:9.1f} {r['rss'] / r['file']:9.2f}")
 
-    print("\nTokens per second (1 sequence; fwd+bwd = rank-8 LoRA on all projections, chunked CE)")
+    print("\nTokens per second, median of 3-5 (1 sequence; fwd+bwd = rank-8 LoRA on all projections, chunked CE)")
     head = f"{'model':<8} {'weights':<10} {'compute':<7}" + "".join(f" {k + str(n):>11}" for n in tokens for k in ("fwd", "fwdbwd"))
     print(head + f" {'fwdbwd1024 vs bf16':>19}")
     for model in models:

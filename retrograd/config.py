@@ -90,7 +90,6 @@ class TrainingSection:
     chunked_cross_entropy: bool = key(True)
     chunked_ce_tiles: int | None = key(None, ge=1)  # None: tiles sized by a 64 MiB budget
     chunked_ce_seq_chunk: int = key(512, ge=0)
-    master_weights: str = key("auto", choices=("auto", "f32"))
     require_gpu_resident: bool = key(False)
     max_gpu_duty_cycle: float = key(1.0, gt=0, le=1)
     # rollout algorithms only
