@@ -24,13 +24,14 @@ import tomli
 from retrograd.errors import ConfigError
 
 _REQUIRED = object()
+section = dataclass(frozen=True, kw_only=True)  # one TOML table; required keys may follow defaulted ones
 
 
 def key(default: Any = _REQUIRED, *, choices=None, gt=None, ge=None, le=None, lt=None):
     """A config key: its default (or required) and the values it accepts."""
     meta = {"choices": choices, "gt": gt, "ge": ge, "le": le, "lt": lt}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
     if default is _REQUIRED:
         return field(metadata=meta | {"required": True})
     return field(default=default, metadata=meta)
@@ -39,13 +40,13 @@ def key(default: Any = _REQUIRED, *, choices=None, gt=None, ge=None, le=None, lt
 # ----------------------------------------------------------------------------- sections
 
 
-@dataclass(frozen=True)
+@section
 class RunSection:
     algorithm: str = key(choices=("sft", "grpo", "agent_grpo", "distill"))
     verbose: bool = key(False)
 
 
-@dataclass(frozen=True)
+@section
 class ModelSection:
     path: Path | None = key(None)  # None: --model, else the bundled SmolLM2
     device: str = key("auto", choices=("auto", "cpu", "gpu"))
@@ -53,23 +54,23 @@ class ModelSection:
     chat_template: str | None = key(None)  # a built-in name (chatml, gemma) or a Jinja file, when the GGUF has none
 
 
-@dataclass(frozen=True)
+@section
 class OutputSection:
     path: Path = key()
     kind: str = key("adapter", choices=("adapter",))
 
 
-@dataclass(frozen=True)
+@section
 class LoraSection:
     rank: int = key(8, ge=1)
     alpha: float = key(16.0, gt=0)
     seed: int = key(42, ge=0)
-    targets: list[str] = key(["q", "k", "v", "o", "ffn_up", "ffn_down", "ffn_gate"])
+    targets: tuple[str, ...] = key(("q", "k", "v", "o", "ffn_up", "ffn_down", "ffn_gate"))
     dtype: str = key("f16", choices=("f16", "f32"))  # tensor type of the exported adapter
     init_adapter: Path | None = key(None)
 
 
-@dataclass(frozen=True)
+@section
 class TrainingSection:
     trainable: str = key("lora", choices=("lora",))
     optimizer: str = key("adamw", choices=("adamw", "sgd"))
@@ -99,7 +100,7 @@ class TrainingSection:
     kv_dtype: str = key("f16", choices=("f16", "f32"))
 
 
-@dataclass(frozen=True)
+@section
 class SFTSection:
     data: Path = key()
     data_format: str | None = key(None, choices=("text", "txt", "jsonl", "chat", "chat-jsonl"))
@@ -107,7 +108,7 @@ class SFTSection:
     template_variables: dict = key({})
 
 
-@dataclass(frozen=True)
+@section
 class EvaluationSection:
     data: Path = key()
     every_iterations: int = key(1, ge=1)
@@ -116,7 +117,7 @@ class EvaluationSection:
     min_delta: float = key(0.0, ge=0)
 
 
-@dataclass(frozen=True)
+@section
 class CheckpointSection:
     directory: Path = key()
     mode: str = key(choices=("steps", "best_eval", "steps_and_best_eval"))
@@ -124,9 +125,70 @@ class CheckpointSection:
     resume_from: Path | None = key(None)
 
 
-@dataclass(frozen=True)
+@section
 class MetricsSection:
     tensorboard_dir: Path | None = key(None)
+
+
+@section
+class SamplingSection:
+    temperature: float = key(1.0, gt=0, le=10)
+    top_p: float = key(1.0, gt=0, le=1)
+    max_new_tokens: int = key(ge=1)
+    seed: int = key(0, ge=0)
+
+
+@section
+class OverlongPenaltySection:
+    buffer_tokens: int = key(ge=1)
+    max_penalty: float = key(gt=0)
+
+
+@section
+class KLScheduleSection:
+    warmup_updates: int = key(0, ge=0)
+    target: float | None = key(None, gt=0)
+
+
+@section
+class DynamicSamplingSection:
+    max_resample_factor: int = key(ge=2)
+
+
+@section
+class GRPOSection:
+    prompts: Path = key()
+    reward_command: list[str] | None = key(None)
+    reward_function: str | None = key(None)  # "module:function" or "file.py:function"
+    reward_mode: str = key("persistent", choices=("persistent", "oneshot"))
+    reward_timeout_seconds: float = key(300.0, gt=0)
+    updates: int = key(ge=1)
+    prompts_per_update: int = key(ge=1)
+    group_size: int = key(ge=2, le=256)
+    grpo_epochs: int = key(ge=1)
+    minibatches: int = key(1, ge=1)
+    clip_range_low: float = key(gt=0, lt=1)
+    clip_range_high: float = key(gt=0, lt=1)
+    kl_coefficient: float = key(ge=0)
+    mask_truncated: bool = key(False)
+    baseline: str = key("mean", choices=("mean", "leave_one_out", "rloo"))
+    scale_rewards: str = key("none", choices=("none", "group", "batch"))
+    loss_normalization: str = key("budget", choices=("budget", "token", "sequence"))
+    importance_sampling_level: str = key("token", choices=("token", "sequence"))
+    tis_cap: float | None = key(None, ge=1)
+    prompt_order: str = key("sequential", choices=("sequential", "shuffled", "shuffle"))
+    max_stalled_updates: int = key(25, ge=0)
+    sampling: SamplingSection = key()
+    overlong_penalty: OverlongPenaltySection | None = key(None)
+    kl_schedule: KLScheduleSection | None = key(None)
+    dynamic_sampling: DynamicSamplingSection | None = key(None)
+
+
+@section
+class ObserveSection:
+    directory: Path = key()
+    every: int = key(1, ge=1)
+    max_text_chars: int = key(0, ge=0)
 
 
 SECTION_TYPES: dict[str, type] = {
@@ -139,6 +201,8 @@ SECTION_TYPES: dict[str, type] = {
     "evaluation": EvaluationSection,
     "checkpoint": CheckpointSection,
     "metrics": MetricsSection,
+    "grpo": GRPOSection,
+    "observe": ObserveSection,
 }
 COMMON_SECTIONS = ("run", "model", "output", "lora", "training", "evaluation", "checkpoint", "metrics")
 ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe"), "agent_grpo": ("agent", "observe"), "distill": ("distill",)}
@@ -157,6 +221,8 @@ class Config:
     training: TrainingSection
     metrics: MetricsSection
     sft: SFTSection | None = None
+    grpo: GRPOSection | None = None
+    observe: ObserveSection | None = None
     evaluation: EvaluationSection | None = None
     checkpoint: CheckpointSection | None = None
     explicit: frozenset[str] = frozenset()  # "section.key" names the file set
@@ -239,6 +305,24 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
                 problems.append(f"training.{k} applies to rollout algorithms (grpo, agent_grpo, distill), not sft")
     if "training.checkpoint_dtype" in explicit and not training.gradient_checkpointing:
         problems.append("training.checkpoint_dtype needs training.gradient_checkpointing = true")
+    if algorithm in ("grpo", "agent_grpo", "distill") and "training.gradient_accumulation" in explicit:
+        problems.append(f"training.gradient_accumulation does not apply to {algorithm}: one optimizer step per minibatch (grpo.minibatches)")
+    grpo: GRPOSection | None = s.get("grpo")
+    if grpo is not None:
+        if (grpo.reward_command is None) == (grpo.reward_function is None):
+            problems.append("[grpo] needs exactly one of reward_command (a program) or reward_function (module:function)")
+        if grpo.clip_range_high < grpo.clip_range_low:
+            problems.append(f"grpo.clip_range_high = {grpo.clip_range_high} must be >= grpo.clip_range_low = {grpo.clip_range_low}")
+        if grpo.sampling.max_new_tokens >= training.ctx:
+            problems.append(f"grpo.sampling.max_new_tokens = {grpo.sampling.max_new_tokens} leaves no room for a prompt in training.ctx = {training.ctx}")
+        if grpo.kl_schedule is not None and grpo.kl_coefficient == 0:
+            problems.append("[grpo.kl_schedule] needs grpo.kl_coefficient > 0")
+        if grpo.overlong_penalty and grpo.overlong_penalty.buffer_tokens > grpo.sampling.max_new_tokens:
+            problems.append("grpo.overlong_penalty.buffer_tokens must be <= grpo.sampling.max_new_tokens")
+        if grpo.reward_mode != "persistent" and grpo.reward_function is not None:
+            problems.append("grpo.reward_mode applies to reward_command, not reward_function")
+        if grpo.minibatches > grpo.prompts_per_update * grpo.group_size:
+            problems.append(f"grpo.minibatches = {grpo.minibatches} is more than the {grpo.prompts_per_update * grpo.group_size} completions of an update")
     ckpt: CheckpointSection | None = s.get("checkpoint")
     if ckpt is not None:
         steps_mode = ckpt.mode in ("steps", "steps_and_best_eval")
@@ -288,6 +372,11 @@ def _check_value(value, annotation, meta, where, base: Path, problems: list[str]
         problems.append(f"{where} = {_show(value)}: expected {expected}")
         return _INVALID
 
+    if dataclasses.is_dataclass(annotation):  # a sub-table such as [grpo.sampling]
+        if not isinstance(value, dict):
+            problems.append(f"{where}: expected a [{where}] table")
+            return _INVALID
+        return _parse_section(annotation, value, where, base, problems, set()) or _INVALID
     if annotation is bool:
         if not isinstance(value, bool):
             return bad("true or false")
@@ -305,16 +394,17 @@ def _check_value(value, annotation, meta, where, base: Path, problems: list[str]
         if not isinstance(value, str) or not value:
             return bad("a path string")
         value = (base / Path(value).expanduser()).resolve()
-    elif origin is list:
+    elif origin in (list, tuple):
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value) or not value:
             return bad("a non-empty list of strings")
+        value = tuple(value)
     elif annotation is dict:
         if not isinstance(value, dict):
             return bad("a table")
     if meta.get("choices") and value not in meta["choices"]:
         return bad(_choices_text(meta["choices"]))
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not _in_range(value, meta):
-        return bad("a number" + _range_text(meta))
+        return bad(("an integer" if annotation is int else "a number") + _range_text(meta))
     return value
 
 

@@ -3,6 +3,7 @@ the protocol in every way we promise to report (tests/reward_programs/misbehave.
 its whole process group, grandchild included, is gone afterwards."""
 
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def test_misbehaving_program_fails_with_one_line_and_its_group_dies(tmp_path, be
     with make_reward(command=argv, mode=mode, timeout_seconds=timeout) as reward, pytest.raises(RewardError) as failure:
         reward.score(PROMPTS, COMPLETIONS)
     message = str(failure.value)
-    assert message.startswith(f"reward program {str(MISBEHAVE)!r} ")
+    assert message.startswith(f"reward program {shlex.join(argv)!r} ")
     assert "\n" not in message
     for fragment in fragments:
         assert fragment in message

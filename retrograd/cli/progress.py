@@ -11,7 +11,7 @@ from retrograd.memory import rss_bytes
 
 class ConsoleReporter:
     def __init__(self, console: Console | None = None):
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, soft_wrap=True)
         self._progress: Progress | None = None
         self._task = None
         self._columns: list[str] = []

@@ -27,7 +27,7 @@ def train(
 ) -> None:
     """Train a LoRA on the frozen GGUF base as [run].algorithm says, and export it for llama.cpp."""
     from retrograd.config import load_config
-    from retrograd.recipes import sft
+    from retrograd.recipes import RECIPES
 
     cfg = load_config(config).with_overrides(model=model, device=device)
     reporter = ConsoleReporter()
@@ -36,9 +36,5 @@ def train(
     reporter.message(f"  model:  {cfg.model.path or 'bundled SmolLM2-135M-Instruct Q4_1'}")
     reporter.message(f"  output: {cfg.output.path}")
     resume_arg = None if resume is None else True if resume == "latest" else Path(resume)
-    result = sft.run(cfg, reporter, resume=resume_arg)
-    eval_part = f" eval_loss={result.eval_loss:.4f}" if result.eval_loss is not None else ""
-    reporter.message(
-        f"done epoch={result.epochs_done} step={result.steps} train_loss={result.train_loss:.4f}{eval_part} "
-        f"tok/s={result.tokens_per_second:.0f} out={result.output}"
-    )
+    result = RECIPES[cfg.run.algorithm](cfg, reporter, resume=resume_arg)
+    reporter.message(result.summary())

@@ -71,12 +71,14 @@ def load_model(
     weights: str = "quantized",
     compute_dtype: str = "f32",
     device: torch.device | str = "cpu",
+    tokenizer: Tokenizer | None = None,
 ) -> BaseModel:
     """GGUF file (default: the bundled SmolLM2-135M-Instruct Q4_1) -> BaseModel.
 
     weights: "quantized" keeps the GGUF blocks and dequantizes per matmul; "bf16" / "f32"
     dequantize every matrix once at load. compute_dtype: "f32" or "bf16" for matmuls.
-    device: a torch device (see retrograd.device.resolve_device for auto/cpu/gpu)."""
+    device: a torch device (see retrograd.device.resolve_device for auto/cpu/gpu).
+    tokenizer: one already opened for this file, reused."""
     if weights not in WEIGHT_MODES:
         raise GGUFError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
     if compute_dtype not in COMPUTE_DTYPES:
@@ -86,7 +88,7 @@ def load_model(
     spec = read_spec(f)
     notes: list[str] = []
     matrices, vectors = _load_tensors(f, spec, weights, notes)
-    tokenizer = Tokenizer(path)
+    tokenizer = tokenizer or Tokenizer(path)
     transformer = Transformer(spec, matrices, vectors).to_device(torch.device(device))
     transformer.compute_dtype = COMPUTE_DTYPES[compute_dtype]
     transformer.requires_grad_(False)

@@ -4,21 +4,27 @@ chat format, the adapter export, and the resume signature."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from retrograd.bundled import default_model_path
 from retrograd.config import Config
 from retrograd.data import ChatFormat, resolve_chat_template
 from retrograd.device import resolve_device
-from retrograd.errors import ConfigError
+from retrograd.errors import ConfigError, DataError
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, write_adapter
+from retrograd.gguf.file import GGUFFile
+from retrograd.gguf.spec import read_spec
 from retrograd.lora import Adapter, attach_lora
+from retrograd.memory import rss_bytes
 from retrograd.model.base import BaseModel, load_model
-from retrograd.training.checkpoint import content_hash, file_fingerprint
+from retrograd.model.tokenizer import Tokenizer
+from retrograd.training.checkpoint import Checkpoint, content_hash, file_fingerprint, latest_checkpoint, load_checkpoint
 from retrograd.training.report import Reporter
 
 # settings that never change what is computed, left out of the resume signature
@@ -43,6 +49,7 @@ class Setup:
     adapter: Adapter
     chat: ChatFormat
     precision: str  # resolved compute dtype name
+    timings: dict = field(default_factory=dict)  # start-up phase -> (seconds, Δ host RSS bytes)
 
     @property
     def base_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -71,7 +78,17 @@ def check_output(path: Path) -> None:
         raise ConfigError(f"output.path: folder {folder} is not writable ({e.strerror})") from None
 
 
-def prepare(cfg: Config, reporter: Reporter) -> Setup:
+def open_chat(cfg: Config) -> ChatFormat:
+    """The tokenizer and chat template alone (no weights): enough to validate data files
+    before the model loads."""
+    path = cfg.model.path or default_model_path()
+    spec = read_spec(GGUFFile(path))
+    template = resolve_chat_template(spec.chat_template, cfg.model.chat_template)
+    variables = cfg.sft.template_variables if cfg.sft is not None else {}
+    return ChatFormat(Tokenizer(path), template, variables=variables, origin=str(path))
+
+
+def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
     check_output(cfg.output.path)
     t = cfg.training
     if t.threads:
@@ -79,21 +96,22 @@ def prepare(cfg: Config, reporter: Reporter) -> Setup:
     device = resolve_device(cfg.model.device)
     precision = compute_dtype(t.compute_dtype, device)
     reporter.message("loading model")
-    t0 = time.perf_counter()
-    model = load_model(cfg.model.path, weights=cfg.model.weights, compute_dtype=precision, device=device)
-    reporter.message(f"model loaded in {time.perf_counter() - t0:.1f} s: {model.path.name} ({model.spec.arch}, {cfg.model.weights} weights, {precision} compute)")
+    timings = {}
+    t0, r0 = time.perf_counter(), rss_bytes()
+    model = load_model(cfg.model.path, weights=cfg.model.weights, compute_dtype=precision, device=device, tokenizer=chat.tokenizer)
+    timings["model load"] = (time.perf_counter() - t0, rss_bytes() - r0)
+    reporter.message(f"model loaded in {timings['model load'][0]:.1f} s: {model.path.name} ({model.spec.arch}, {cfg.model.weights} weights, {precision} compute)")
     for note in model.notes:
         reporter.message(f"note: {note}")
     if t.gradient_checkpointing:
         model.transformer.checkpoint_every = t.checkpoint_every_n_layers
         model.transformer.checkpoint_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[t.checkpoint_dtype]
+    t0, r0 = time.perf_counter(), rss_bytes()
     adapter = attach_lora(model.transformer, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.seed)
     if cfg.lora.init_adapter is not None:
         load_adapter_weights(adapter, cfg.lora.init_adapter)
-    template = resolve_chat_template(model.spec.chat_template, cfg.model.chat_template)
-    variables = cfg.sft.template_variables if cfg.sft is not None else {}
-    chat = ChatFormat(model.tokenizer, template, variables=variables, origin=str(model.path))
-    return Setup(cfg, device, model, adapter, chat, precision)
+    timings["LoRA creation"] = (time.perf_counter() - t0, rss_bytes() - r0)
+    return Setup(cfg, device, model, adapter, chat, precision, timings)
 
 
 def load_adapter_weights(adapter: Adapter, path: Path) -> None:
@@ -126,8 +144,25 @@ def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     }
     for name, path in data_files.items():
         sig[name] = content_hash(path)
-    for section in ("sft",):
+    for section in ("sft", "grpo"):
         value = getattr(cfg, section, None)
         if value is not None:
-            sig[section] = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(value).items() if k != "data"}
-    return sig
+            sig[section] = {k: v for k, v in dataclasses.asdict(value).items() if k not in ("data", "prompts")}
+    return json.loads(json.dumps(sig, default=str))  # as it will read back from the manifest
+
+
+def resume_point(cfg: Config, resume: Path | bool | None) -> Checkpoint | None:
+    """The checkpoint to resume from: --resume PATH, --resume alone (True: the newest in
+    [checkpoint].directory), or [checkpoint].resume_from; None for a fresh run."""
+    if resume is None and cfg.checkpoint and cfg.checkpoint.resume_from:
+        resume = cfg.checkpoint.resume_from
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        if cfg.checkpoint is None:
+            raise DataError("--resume: the config has no [checkpoint] section, so there is nothing to resume")
+        found = latest_checkpoint(cfg.checkpoint.directory)
+        if found is None:
+            raise DataError(f"--resume: no checkpoint to resume in {cfg.checkpoint.directory}")
+        resume = found
+    return load_checkpoint(Path(resume))

@@ -21,19 +21,11 @@ import torch
 
 from retrograd.config import Config
 from retrograd.data import Example, load_sft
-from retrograd.errors import DataError, RetrogradError
+from retrograd.errors import RetrogradError
 from retrograd.memory import rss_bytes
-from retrograd.recipes.common import Setup, prepare, signature
+from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
 from retrograd.training.batches import LogprobOptions, batch_logprobs, pack, plan_micro_batches
-from retrograd.training.checkpoint import (
-    Checkpoint,
-    check_signature,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng,
-    save_checkpoint,
-    step_name,
-)
+from retrograd.training.checkpoint import check_signature, latest_checkpoint, restore_rng, save_checkpoint, step_name
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer, clip_gradients, learning_rate
 from retrograd.training.report import Reporter
@@ -52,6 +44,13 @@ class SFTResult:
     eval_loss: float | None
     tokens_per_second: float
     losses: tuple[float, ...]  # per optimizer step, this run's part
+
+    def summary(self) -> str:
+        eval_part = f" eval_loss={self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        return (
+            f"done epoch={self.epochs_done} step={self.steps} train_loss={self.train_loss:.4f}{eval_part} "
+            f"tok/s={self.tokens_per_second:.0f} out={self.output}"
+        )
 
 
 def epoch_plan(examples: tuple[Example, ...], epoch: int, *, seed: int, shuffle: bool, micro_batch: int, accumulation: int):
@@ -80,17 +79,18 @@ def mean_loss(setup: Setup, examples, options: LogprobOptions) -> tuple[float, l
 
 
 def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> SFTResult:
-    setup = prepare(cfg, reporter)
     t = cfg.training
-    data = load_sft(cfg.sft.data, setup.chat, ctx=t.ctx, data_format=cfg.sft.data_format)
+    chat = open_chat(cfg)
+    data = load_sft(cfg.sft.data, chat, ctx=t.ctx, data_format=cfg.sft.data_format)
     if data.dropped:
         reporter.message(f"dropped {len(data.dropped)} example(s) longer than ctx={t.ctx} (first: {data.dropped[0]})")
     examples = data.examples
     eval_examples = None
     if cfg.evaluation is not None:
-        eval_examples = load_sft(cfg.evaluation.data, setup.chat, ctx=t.ctx, data_format=cfg.sft.data_format).examples
+        eval_examples = load_sft(cfg.evaluation.data, chat, ctx=t.ctx, data_format=cfg.sft.data_format).examples
         if cfg.evaluation.max_examples:
             eval_examples = eval_examples[: cfg.evaluation.max_examples]
+    setup = prepare(cfg, reporter, chat)
     options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
     transformer = setup.model.transformer
     params = setup.adapter.parameters()
@@ -102,7 +102,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     sig = signature(setup, data_files)
     progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
 
-    checkpoint = _resume_point(cfg, resume)
+    checkpoint = resume_point(cfg, resume)
     if checkpoint is not None:
         check_signature(checkpoint, sig)
         lora = checkpoint.tensor_file("lora.pt")
@@ -219,21 +219,6 @@ def _after_eval(cfg: Config, progress: dict, eval_loss: float, epoch: int, repor
     progress["stale_evals"] += 1
     reporter.message(f"eval epoch {epoch}: loss {eval_loss:.4f}  perplexity {ppl:.2f}  best {best:.4f}, stale {progress['stale_evals']}/{ev.patience or '∞'}")
     return ev.patience is not None and progress["stale_evals"] >= ev.patience
-
-
-def _resume_point(cfg: Config, resume: Path | bool | None) -> Checkpoint | None:
-    if resume is None and cfg.checkpoint and cfg.checkpoint.resume_from:
-        resume = cfg.checkpoint.resume_from
-    if resume is None or resume is False:
-        return None
-    if resume is True:
-        if cfg.checkpoint is None:
-            raise DataError("--resume: the config has no [checkpoint] section, so there is nothing to resume")
-        found = latest_checkpoint(cfg.checkpoint.directory)
-        if found is None:
-            raise DataError(f"--resume: no checkpoint to resume in {cfg.checkpoint.directory}")
-        resume = found
-    return load_checkpoint(Path(resume))
 
 
 def _latest_name(cfg: Config) -> Path | None:

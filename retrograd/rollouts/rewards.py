@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import selectors
+import shlex
 import shutil
 import signal
 import subprocess
@@ -194,7 +195,7 @@ class CommandReward(Reward):
 
     def _error(self, process: _Process | None, failure: _Failure) -> RewardError:
         """Kill the program's group and say what went wrong, with its exit status and stderr tail."""
-        message = f"reward program {self.argv[0]!r} {failure}"
+        message = f"reward program {shlex.join(self.argv)!r} {failure}"
         if process is not None:
             status = process.kill()
             if status:

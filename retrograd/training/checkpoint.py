@@ -146,12 +146,20 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
 def check_signature(checkpoint: Checkpoint, expected: dict) -> None:
     """Refuse to resume when anything that shapes the trajectory differs, naming it."""
-    saved = checkpoint.manifest["signature"]
-    for k in sorted(set(saved) | set(expected)):
-        if saved.get(k) != expected.get(k):
-            raise CheckpointError(
-                f"cannot resume from {checkpoint.path}: {k} differs (checkpoint: {_short(saved.get(k))}, now: {_short(expected.get(k))})"
-            )
+    difference = _first_difference(checkpoint.manifest["signature"], expected, "")
+    if difference:
+        name, before, now = difference
+        raise CheckpointError(f"cannot resume from {checkpoint.path}: {name} differs (checkpoint: {_short(before)}, now: {_short(now)})")
+
+
+def _first_difference(saved, expected, prefix: str):
+    if isinstance(saved, dict) and isinstance(expected, dict):
+        for k in sorted(set(saved) | set(expected)):
+            found = _first_difference(saved.get(k), expected.get(k), f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+            if found:
+                return found
+        return None
+    return None if saved == expected else (prefix, saved, expected)
 
 
 def _short(value) -> str:

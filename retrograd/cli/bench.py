@@ -1,0 +1,105 @@
+"""`retrograd bench CONFIG.toml`: base versus adapter on the same examples, as a table and
+a verdict (the measuring is retrograd.bench; this only formats)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from retrograd.cli import app
+from retrograd.cli.options import ModelOpt
+from retrograd.cli.progress import ConsoleReporter
+
+if TYPE_CHECKING:
+    from retrograd.bench import Row, Verdict
+
+
+@app.command(
+    context_settings={"allow_extra_args": False},
+    epilog="Examples: retrograd bench run.toml | retrograd bench run.toml --adapter out/best.gguf --data held_out.jsonl --limit 200",
+)
+def bench(
+    config: Annotated[Path, typer.Argument(help="The run's TOML file.")],
+    adapter: Annotated[
+        Path | None,
+        typer.Option(
+            "--adapter",
+            help="LoRA GGUF to measure (default: \\[output].path; the base alone when that file is absent).",
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option("--data", help="Examples to measure (default: \\[evaluation].data, else \\[sft].data)."),
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Measure only the first N examples.")] = None,
+    model: ModelOpt = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="auto, cpu or gpu (overrides \\[model].device).")
+    ] = None,
+) -> None:
+    """Measure the base model and the adapter on the same examples; nothing is trained or written."""
+    from retrograd import bench as benches
+    from retrograd.config import load_config
+
+    cfg = load_config(config).with_overrides(model=model, device=device)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 200  # a pipe or file: keep every table row and verdict line whole
+    reporter = ConsoleReporter(console)
+    reporter.message("bench")
+    reporter.message(f"  config: {cfg.path}")
+    reporter.message(f"  model:  {cfg.model.path or 'bundled SmolLM2-135M-Instruct Q4_1'}")
+    result = benches.run(cfg, reporter, benches.BenchOptions(data=data, adapter=adapter, limit=limit))
+    console.print(table(result.rows()))
+    verdict = result.verdict()
+    if verdict is not None:
+        for line in verdict_lines(verdict):
+            console.print(line, markup=False)
+
+
+def table(rows: list[Row]) -> Table:
+    with_adapter = rows[0].adapter is not None
+    t = Table(box=box.ROUNDED)
+    for name in ("metric", "base", "adapter", "Δ", "Δ%") if with_adapter else ("metric", "base"):
+        t.add_column(name, justify="left" if name == "metric" else "right")
+    group = None
+    for row in rows:
+        if row.group != group:
+            if group is not None:
+                t.add_section()
+            t.add_row(f"[bold]{row.group}[/]")
+            group = row.group
+        cells = [f"  {row.metric}", f"{row.base:.{row.digits}f}"]
+        if with_adapter:
+            colour = _colour(row.delta * row.better)
+            percent = "-" if row.delta_percent is None else f"{row.delta_percent:+.2f}%"
+            cells += [
+                f"{row.adapter:.{row.digits}f}",
+                f"[{colour}]{row.delta:+.{row.digits}f}[/]",
+                f"[{colour}]{percent}[/]",
+            ]
+        t.add_row(*cells)
+    return t
+
+
+def verdict_lines(v: Verdict) -> list[str]:
+    c = v.changes
+    loss = "" if v.loss_percent is None else f"   loss {v.loss_percent:+.2f}%"
+    share = 100.0 * v.improved / v.total
+    return [
+        f"verdict    {v.label}   {v.metric} Δ{v.mean_delta:+.4f} nats/token{loss}",
+        (
+            f"examples   ↑ {v.improved}/{v.total} improved ({share:.1f}%)  ↓ {v.degraded} degraded  "
+            f"= {v.unchanged} unchanged (|Δ| ≤ {v.tolerance:g} nats/token)"
+        ),
+        f"change/ex  mean Δ{c.mean:+.4f}  stddev {c.stddev:.4f}  best Δ{c.high:+.4f}  worst Δ{c.low:+.4f}",
+    ]
+
+
+def _colour(signed_gain: float) -> str:
+    return "green" if signed_gain > 0 else "red" if signed_gain < 0 else "default"

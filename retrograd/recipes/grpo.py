@@ -1,0 +1,558 @@
+"""GRPO on the llama.cpp sampler: the update loop written out in full.
+
+Per update (retrograd notes 4.2; Dr. GRPO + DAPO, optional GSPO):
+1. draw prompts_per_update prompts (in order or shuffled) and derive one seed per completion;
+2. llama.cpp samples group_size completions per prompt from the base GGUF plus the live
+   adapter (one prompt prefill per group, continuous batching);
+3. the reward program (or function) scores them; the overlong penalty is added and, with
+   mask_truncated, completions that used the whole budget leave their group;
+4. group advantages; groups left with equal rewards (or < 2 members) are dead: skipped and
+   counted (dynamic sampling draws more prompts to replace them);
+5. with kl_coefficient > 0 the reference log-probs come from this model with the adapter
+   switched off; the behaviour log-probs from a teacher-forced torch pass, skipped when
+   one optimizer step covers the update (then the ratio is exactly 1 by construction);
+6. grpo_epochs passes, each over `minibatches` shuffled minibatches, one optimizer step
+   per minibatch, micro-batches packed with each group's prompt once;
+7. llama.cpp gets the new adapter.
+Checkpoints sit at update boundaries; every random choice derives from (seed, update), so a
+resumed run repeats the remaining updates exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrograd.config import Config
+from retrograd.data import Prompt, load_prompts
+from retrograd.errors import RetrogradError
+from retrograd.memory import PeakMemory, rss_bytes
+from retrograd.objectives.advantages import group_advantages
+from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, merge_diagnostics, policy_loss
+from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
+from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
+from retrograd.rollouts.rewards import make_reward
+from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
+from retrograd.training.batches import LogprobOptions
+from retrograd.training.checkpoint import check_signature, restore_rng, save_checkpoint, step_name
+from retrograd.training.duty_cycle import for_device
+from retrograd.training.metrics import MetricsSink
+from retrograd.training.optim import build_optimizer, clip_gradients, learning_rate
+from retrograd.training.report import Reporter
+from retrograd.training.scoring import Rollout, micro_batch_logprobs, plan, rollout_logprobs
+
+PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer", "adapter_refresh")
+
+
+class TrainingDiverged(RetrogradError):
+    pass
+
+
+@dataclass
+class Member:
+    """One sampled completion and what the update made of it."""
+
+    prompt: Prompt
+    group: int
+    tokens: tuple[int, ...]
+    sampler_logprobs: tuple[float, ...]
+    text: str
+    truncated: bool
+    reward: float = 0.0
+    live: bool = True
+    advantage: float = 0.0
+    skip_reason: str | None = None
+
+
+@dataclass
+class UpdateRecord:
+    update: int
+    metrics: dict
+    timing: dict  # phase -> seconds
+    steps: int
+    step_diagnostics: list[dict] = field(default_factory=list)  # merged policy diagnostics per optimizer step
+
+
+@dataclass
+class GRPOResult:
+    output: Path
+    updates_done: int
+    steps: int
+    train_loss: float
+    tokens_per_second: float
+    records: list[UpdateRecord] = field(default_factory=list)
+    init_timing: dict = field(default_factory=dict)  # model load, LoRA, sampler: (seconds, Δ RSS)
+    memory: dict = field(default_factory=dict)  # rss baseline / after load / peak
+    updates_planned: int = 0
+    epochs_per_update: int = 0
+    duty: object = None  # DutyStats of the run
+
+    def summary(self) -> str:
+        return (
+            f"done update={self.updates_done}/{self.updates_planned} grpo_epochs_per_update={self.epochs_per_update} "
+            f"step={self.steps} train_loss={self.train_loss:.4f} tok/s={self.tokens_per_second:.0f} out={self.output}"
+        )
+
+
+def completion_seed(base: int, stream_position: int, member: int) -> int:
+    """A 63-bit seed per completion, a pure function of its place in the prompt stream."""
+    return int(np.random.SeedSequence([base, stream_position, member]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def prompt_index(position: int, n_prompts: int, *, order: str, seed: int) -> int:
+    """Which prompt the stream's `position`-th draw is: round robin, or a fresh permutation
+    of the prompt file per pass when shuffled."""
+    if order == "sequential":
+        return position % n_prompts
+    epoch, k = divmod(position, n_prompts)
+    return int(np.random.default_rng([seed, epoch]).permutation(n_prompts)[k])
+
+
+def sampler_options(cfg: Config) -> SamplerOptions:
+    t, g = cfg.training, cfg.grpo
+    concurrency = t.generation_concurrency or min(g.prompts_per_update * g.group_size, 64)
+    return SamplerOptions(
+        n_ctx=t.ctx,
+        n_seq_max=concurrency,
+        n_batch=t.generation_batch or max(512, concurrency),
+        kv_dtype=t.kv_dtype if t.fast_sampling_context else "f32",
+        n_threads=t.threads or 0,
+    )
+
+
+def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> GRPOResult:
+    g, t = cfg.grpo, cfg.training
+    baseline_rss = rss_bytes()
+    reward = make_reward(
+        command=g.reward_command, mode=g.reward_mode, timeout_seconds=g.reward_timeout_seconds, function=g.reward_function
+    )
+    with reward:
+        chat = open_chat(cfg)
+        budget = t.ctx - g.sampling.max_new_tokens
+        prompts = load_prompts(g.prompts, chat, max_tokens=budget)
+        eval_prompts = load_prompts(cfg.evaluation.data, chat, max_tokens=budget) if cfg.evaluation else ()
+        if cfg.evaluation and cfg.evaluation.max_examples and cfg.evaluation.max_examples < len(eval_prompts):
+            picks = np.linspace(0, len(eval_prompts) - 1, cfg.evaluation.max_examples).round().astype(int)
+            eval_prompts = tuple(eval_prompts[i] for i in picks)  # evenly spaced, as retrograd does
+        setup = prepare(cfg, reporter, chat)
+        t0, r0 = time.perf_counter(), rss_bytes()
+        with Sampler(setup.model.path, sampler_options(cfg)) as sampler:
+            init = setup.timings | {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}
+            loop = GRPOLoop(cfg, setup, sampler, reward, prompts, eval_prompts, reporter)
+            init |= warm_up(setup)
+            result = loop.run(resume)
+            result.init_timing = init
+            result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.peak_rss}
+            result.duty = loop.duty.stats
+            return result
+
+
+def warm_up(setup: Setup) -> dict:
+    """One forward+backward on a few tokens before the first update (compiles the
+    dequantization kernels), so update timings measure steady work."""
+    t0, r0 = time.perf_counter(), rss_bytes()
+    ids = tuple(range(10, 42))
+    model = setup.model.transformer
+    logp, _ = micro_batch_logprobs(model, [Rollout(0, ids[:16], ids[16:])], LogprobOptions(), setup.device)
+    logp.sum().backward()
+    for p in setup.adapter.parameters():
+        p.grad = None
+    return {"warm-up (compile + probe step)": (time.perf_counter() - t0, rss_bytes() - r0)}
+
+
+class GRPOLoop:
+    def __init__(self, cfg: Config, setup: Setup, sampler: Sampler, reward, prompts, eval_prompts, reporter: Reporter):
+        self.cfg, self.setup, self.sampler, self.reward = cfg, setup, sampler, reward
+        self.prompts, self.eval_prompts, self.reporter = prompts, eval_prompts, reporter
+        g, t = cfg.grpo, cfg.training
+        self.params = setup.adapter.parameters()
+        self.optimizer = build_optimizer(self.params, t.optimizer, t.lr, t.weight_decay)
+        self.options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
+        self.loss_options = PolicyLossOptions(
+            clip_range_low=g.clip_range_low,
+            clip_range_high=g.clip_range_high,
+            importance_sampling_level=g.importance_sampling_level,
+            loss_normalization=g.loss_normalization,
+            tis_cap=g.tis_cap,
+        )
+        self.sampling = Sampling(g.sampling.max_new_tokens, g.sampling.temperature, g.sampling.top_p)
+        self.eog = sampler.eog_ids
+        self.total_steps = g.updates * g.grpo_epochs * g.minibatches
+        self.duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
+        self.progress = {"update": 0, "global_step": 0, "prompt_cursor": 0, "best_eval": None, "stale_evals": 0,
+                         "stalled": 0, "kl_multiplier": 1.0}
+        self.rss_after_load = rss_bytes()
+        self.peak_rss = self.rss_after_load
+        out_dir = cfg.output.path.parent
+        self.rollouts_path = (cfg.observe.directory if cfg.observe else out_dir) / "rollouts.jsonl"
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self, resume) -> GRPOResult:
+        cfg, g = self.cfg, self.cfg.grpo
+        data_files = {"grpo.prompts": g.prompts} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
+        self.signature = signature(self.setup, data_files)
+        checkpoint = resume_point(cfg, resume)
+        if checkpoint is not None:
+            check_signature(checkpoint, self.signature)
+            self._restore(checkpoint)
+            self.reporter.message(f"resumed from {checkpoint.path} at update {self.progress['update']}")
+        if any(layer.lora_b.abs().sum() > 0 for layer in self.setup.adapter.layers.values()):
+            self.sampler.set_adapter(self.setup.adapter)  # resumed or warm-started: sample from it
+        self.reporter.message(
+            f"grpo: updates={g.updates}, grpo_epochs_per_update={g.grpo_epochs}, minibatches={g.minibatches}, "
+            f"optimizer_steps={self.total_steps}, prompts={len(self.prompts)}, group_size={g.group_size}"
+        )
+        out_dir = cfg.output.path.parent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.rollouts_path.parent.mkdir(parents=True, exist_ok=True)
+        append = checkpoint is not None
+        records: list[UpdateRecord] = []
+        losses, tokens, seconds = [], 0, 0.0
+        with MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics, \
+                open(self.rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts_file:
+            self.reporter.start(g.updates, ["update", "step", "loss", "reward", "Δreward", "kl", "clip", "lr", "tok/s"], "updates")
+            self.reporter.advance(self.progress["update"], "")
+            previous_reward = None
+            try:
+                while self.progress["update"] < g.updates:
+                    update = self.progress["update"]
+                    t0 = time.perf_counter()
+                    with PeakMemory() as peak:
+                        record, members = self.update(update)
+                    self.peak_rss = max(self.peak_rss, peak.peak_rss)
+                    elapsed = time.perf_counter() - t0
+                    records.append(record)
+                    m = record.metrics
+                    self.progress["update"] = update + 1
+                    trained_tokens = m.get("batch/trained_tokens", 0)
+                    tokens += trained_tokens
+                    seconds += elapsed
+                    if "policy/total_loss" in m:
+                        losses.append(m["policy/total_loss"])
+                    m |= {f"timing/{k}_seconds": v for k, v in record.timing.items()} | {
+                        "timing/update_seconds": elapsed, "system/rss_bytes": rss_bytes(),
+                        "train/tokens_per_second": trained_tokens / elapsed if elapsed else 0.0,
+                    }
+                    metrics.log(self.progress["global_step"], m | {"train/update": update + 1})
+                    self._write_rollouts(rollouts_file, update, members)
+                    reward_mean = m["reward/mean"]
+                    delta = None if previous_reward is None else reward_mean - previous_reward
+                    previous_reward = reward_mean
+                    self.reporter.row({
+                        "update": f"{update + 1}/{g.updates}", "step": self.progress["global_step"], "loss": m.get("policy/total_loss"),
+                        "reward": reward_mean, "Δreward": delta, "kl": m.get("policy/kl"), "clip": m.get("policy/clip_fraction"),
+                        "lr": m.get("optimizer/learning_rate"), "tok/s": m["train/tokens_per_second"],
+                    })
+                    self.reporter.advance(update + 1, f"reward={reward_mean:.3f}" + (f" loss={losses[-1]:.4f}" if losses else ""))
+                    stop = self._stalled(m)
+                    if self._evaluation_due(update):
+                        stop = self._evaluate(update, metrics) or stop
+                    if self.cfg.checkpoint and self.cfg.checkpoint.every_steps and self._crossed_checkpoint(record):
+                        self._save(step_name(self.progress["global_step"]))
+                    if stop:
+                        break
+            finally:
+                self.reporter.finish()
+        out = self.setup.export(cfg.output.path)
+        return GRPOResult(
+            output=out,
+            updates_done=self.progress["update"],
+            steps=self.progress["global_step"],
+            train_loss=losses[-1] if losses else float("nan"),
+            tokens_per_second=tokens / seconds if seconds else 0.0,
+            records=records,
+            updates_planned=g.updates,
+            epochs_per_update=g.grpo_epochs,
+        )
+
+    def update(self, update: int) -> tuple[UpdateRecord, list[Member]]:
+        g = self.cfg.grpo
+        timing = dict.fromkeys(PHASES, 0.0)
+        groups = self._sample_groups(update, timing)
+        members = [m for group in groups for m in group]
+        live_groups = [group for group in groups if any(m.live and m.skip_reason is None for m in group)]
+        metrics = self._rollout_metrics(groups)
+        trainable = [m for group in live_groups for m in group if m.live and m.skip_reason is None]
+        beta = kl_coefficient(g.kl_coefficient, update, g.kl_schedule.warmup_updates if g.kl_schedule else 0, self.progress["kl_multiplier"])
+        steps_before = self.progress["global_step"]
+        step_diagnostics: list[dict] = []
+        if trainable:
+            metrics |= self._optimize(update, trainable, beta, timing, step_diagnostics)
+            if g.kl_schedule and g.kl_schedule.target:
+                self.progress["kl_multiplier"] = adapt_kl_multiplier(self.progress["kl_multiplier"], metrics["policy/kl"], g.kl_schedule.target)
+            t0 = time.perf_counter()
+            refresh = self.sampler.set_adapter(self.setup.adapter)
+            timing["adapter_refresh"] = time.perf_counter() - t0
+            metrics["sampler/adapter_refresh_seconds"] = refresh.total_s
+        else:
+            self.reporter.message(f"update {update + 1}: every group was dead (equal rewards); nothing to train")
+        metrics["policy/beta"] = beta
+        return UpdateRecord(update, metrics, timing, self.progress["global_step"] - steps_before, step_diagnostics), members
+
+    # ---------------------------------------------------------------- rollouts
+
+    def _sample_groups(self, update: int, timing: dict) -> list[list[Member]]:
+        """prompts_per_update groups; with dynamic sampling, dead groups are replaced by
+        fresh prompts until enough are informative or the candidate budget is spent."""
+        g = self.cfg.grpo
+        want = g.prompts_per_update
+        limit = want * (g.dynamic_sampling.max_resample_factor if g.dynamic_sampling else 1)
+        kept: list[list[Member]] = []
+        dead: list[list[Member]] = []
+        drawn = 0
+        while drawn < limit and len(kept) < want:
+            n = min(want - len(kept), limit - drawn)
+            wave = self._generate_wave(n, timing)
+            drawn += n
+            self._score(wave, timing)
+            for group in wave:
+                (kept if any(m.skip_reason is None for m in group) else dead).append(group)
+            if not g.dynamic_sampling:
+                break
+        self.progress["sampled_groups"] = drawn
+        groups = kept + dead
+        for i, group in enumerate(groups):
+            for m in group:
+                m.group = i
+        return groups
+
+    def _generate_wave(self, n_groups: int, timing: dict) -> list[list[Member]]:
+        g = self.cfg.grpo
+        cursor = self.progress["prompt_cursor"]
+        chosen = []
+        requests = []
+        for k in range(n_groups):
+            position = cursor + k
+            prompt = self.prompts[prompt_index(position, len(self.prompts), order=_order(g.prompt_order), seed=self.cfg.lora.seed)]
+            seeds = [completion_seed(g.sampling.seed, position, j) for j in range(g.group_size)]
+            chosen.append(prompt)
+            requests.append(GroupRequest(prompt.ids, seeds, self.sampling))
+        self.progress["prompt_cursor"] = cursor + n_groups
+        t0 = time.perf_counter()
+        with self.duty.burst():
+            completions = self.sampler.generate(requests)
+        timing["generation"] += time.perf_counter() - t0
+        wave = []
+        for prompt, group in zip(chosen, completions):
+            wave.append([
+                Member(prompt, 0, tuple(c.tokens), tuple(c.logprobs), self._text(c.tokens), c.finish == "length")
+                for c in group
+            ])
+        return wave
+
+    def _text(self, tokens) -> str:
+        body = [tok for tok in tokens if tok not in self.eog]
+        return self.setup.model.tokenizer.decode(body, special=False)
+
+    def _score(self, wave: list[list[Member]], timing: dict) -> None:
+        """Rewards, overlong penalty, truncation mask and group advantages, in place."""
+        g = self.cfg.grpo
+        members = [m for group in wave for m in group]
+        t0 = time.perf_counter()
+        rewards = self.reward.score([m.prompt.text for m in members], [m.text for m in members])
+        timing["reward"] += time.perf_counter() - t0
+        r = torch.tensor(rewards, dtype=torch.float64).view(len(wave), g.group_size)  # [groups, G]
+        if g.overlong_penalty:
+            lengths = torch.tensor([len(m.tokens) for m in members]).view_as(r)
+            r = r + overlong_penalty(lengths, g.sampling.max_new_tokens, g.overlong_penalty.buffer_tokens, g.overlong_penalty.max_penalty)
+        live = torch.tensor([not (g.mask_truncated and m.truncated) for m in members]).view_as(r)
+        adv = group_advantages(r, live, baseline=_baseline(g.baseline), scale_rewards=g.scale_rewards)
+        for k, m in enumerate(members):
+            i, j = divmod(k, g.group_size)
+            m.reward, m.live, m.advantage = float(r[i, j]), bool(live[i, j]), float(adv.advantages[i, j])
+            if not m.live:
+                m.skip_reason = "truncated"
+            elif bool(adv.dead[i]):
+                m.skip_reason = "zero_signal"
+
+    def _rollout_metrics(self, groups: list[list[Member]]) -> dict:
+        g = self.cfg.grpo
+        members = [m for group in groups for m in group]
+        rewards = torch.tensor([[m.reward for m in group] for group in groups], dtype=torch.float64)
+        live = torch.tensor([[m.live for m in group] for group in groups])
+        stats = group_advantages(rewards, live, baseline=_baseline(g.baseline), scale_rewards=g.scale_rewards).diagnostics
+        lengths = [len(m.tokens) for m in members]
+        return stats | {
+            "completions/length_mean": float(np.mean(lengths)),
+            "completions/length_min": float(min(lengths)),
+            "completions/length_max": float(max(lengths)),
+            "completions/truncation_fraction": float(np.mean([m.truncated for m in members])),
+            "batch/groups_sampled_fraction": len(groups) / self.progress.get("sampled_groups", len(groups)),
+        }
+
+    # ---------------------------------------------------------------- optimization
+
+    def _optimize(self, update: int, members: list[Member], beta: float, timing: dict, per_step: list[dict]) -> dict:
+        g, t = self.cfg.grpo, self.cfg.training
+        model = self.setup.model.transformer
+        rollouts = [Rollout(m.group, m.prompt.ids, m.tokens) for m in members]
+        single_step = g.grpo_epochs == 1 and g.minibatches == 1
+        old = None
+        if not single_step:  # ratios need the policy as it was when sampling
+            t0 = time.perf_counter()
+            with self.duty.burst():
+                old = rollout_logprobs(model, rollouts, self.options, t.micro_batch, self.setup.device)
+            timing["behavior_scoring"] += time.perf_counter() - t0
+        ref = None
+        if beta > 0:
+            t0 = time.perf_counter()
+            with self.setup.adapter.disabled(), self.duty.burst():
+                ref = rollout_logprobs(model, rollouts, self.options, t.micro_batch, self.setup.device)
+            timing["reference"] += time.perf_counter() - t0
+
+        parts: list[dict] = []
+        mismatch: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+        for epoch in range(g.grpo_epochs):
+            order = np.random.default_rng([self.cfg.lora.seed, update, epoch]).permutation(len(members))
+            for minibatch in np.array_split(order, g.minibatches):
+                if len(minibatch) == 0:
+                    continue
+                step = self.progress["global_step"]
+                lr = learning_rate(step, lr=t.lr, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps, total_steps=self.total_steps)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                idx = sorted(int(i) for i in minibatch)  # keep groups adjacent for prefix sharing
+                counts = MinibatchCounts(len(idx), sum(len(members[i].tokens) for i in idx), g.sampling.max_new_tokens)
+                step_parts = []
+                with self.duty.burst():
+                    for micro in plan([rollouts[i] for i in idx], t.micro_batch):
+                        chosen = [idx[k] for k in micro]
+                        logp, mask = micro_batch_logprobs(model, [rollouts[i] for i in chosen], self.options, self.setup.device)
+                        old_logp = logp.detach() if old is None else _padded([old[i] for i in chosen], mask)
+                        sampler_logp = _padded([torch.tensor(members[i].sampler_logprobs) for i in chosen], mask)
+                        loss, diag = policy_loss(
+                            logp, old_logp, torch.tensor([members[i].advantage for i in chosen], dtype=logp.dtype),
+                            mask, counts, self.loss_options, beta=beta,
+                            ref_logp=None if ref is None else _padded([ref[i] for i in chosen], mask),
+                            sampler_logp=sampler_logp if g.tis_cap is not None else None,
+                        )
+                        loss.backward()
+                        step_parts.append(diag)
+                        if epoch == 0:
+                            mismatch.append((sampler_logp - old_logp.float())[mask])
+                    if not math.isfinite(sum(p["policy/total_loss"] for p in step_parts)):
+                        raise TrainingDiverged(f"update {update + 1}: the loss is not finite; stopped without updating the adapter — try a lower training.lr")
+                    clip_gradients(self.params, t.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                self.progress["global_step"] = step + 1
+                parts.extend(step_parts)
+                per_step.append(merge_diagnostics(step_parts))
+        timing["optimizer"] += time.perf_counter() - t0
+        merged = merge_diagnostics(parts)
+        # the sums of the micro-batch shares are per optimizer step; report the update's mean
+        n_steps = g.grpo_epochs * g.minibatches
+        for k in ("policy/surrogate_loss", "policy/kl", "policy/total_loss"):
+            merged[k] /= n_steps
+        delta = torch.cat(mismatch).double()  # log p_llama.cpp - log p_torch on sampled tokens
+        merged |= {
+            "policy/logprob_mismatch_abs_mean": delta.abs().mean().item(),
+            "policy/logprob_mismatch_kl": (delta.exp() - 1 - delta).mean().item(),  # k3 of KL(torch || llama.cpp)
+            "optimizer/learning_rate": self.optimizer.param_groups[0]["lr"],
+            "batch/trained_tokens": float(sum(len(m.tokens) for m in members)),
+        }
+        if merged["policy/kl"] > 50 or not math.isfinite(merged["policy/kl"]):
+            raise TrainingDiverged(f"update {update + 1}: KL to the reference is {merged['policy/kl']:.3g}; lower training.lr or raise grpo.kl_coefficient")
+        return merged
+
+    # ---------------------------------------------------------------- evaluation, checkpoints
+
+    def _evaluation_due(self, update: int) -> bool:
+        ev = self.cfg.evaluation
+        return bool(self.eval_prompts) and ((update + 1) % ev.every_iterations == 0 or update + 1 == self.cfg.grpo.updates)
+
+    def _evaluate(self, update: int, metrics: MetricsSink) -> bool:
+        """Mean reward of one completion per held-out prompt (fixed seeds); best checkpoint
+        and patience. Returns True to stop early."""
+        g, ev = self.cfg.grpo, self.cfg.evaluation
+        requests = [GroupRequest(p.ids, [completion_seed(g.sampling.seed + 1, i, 0)], self.sampling) for i, p in enumerate(self.eval_prompts)]
+        completions = [group[0] for group in self.sampler.generate(requests)]
+        rewards = self.reward.score([p.text for p in self.eval_prompts], [self._text(c.tokens) for c in completions])
+        mean = float(np.mean(rewards))
+        metrics.log(self.progress["global_step"], {"eval/mean_reward": mean, "eval/reward_min": float(min(rewards)), "eval/reward_max": float(max(rewards)), "train/update": update + 1})
+        best = self.progress["best_eval"]
+        line = f"eval update {update + 1}/{g.updates}: mean {mean:.4f}  range [{min(rewards):.3f}, {max(rewards):.3f}]  n={len(rewards)}"
+        if best is None or mean > best + ev.min_delta:
+            self.progress.update(best_eval=mean, stale_evals=0)
+            saved = ""
+            if self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
+                self._save("best")
+                saved = " (saved best.gguf)"
+            self.reporter.message(f"{line}  best {mean:.4f} ↑{saved}")
+            return False
+        self.progress["stale_evals"] += 1
+        self.reporter.message(f"{line}  best {best:.4f}, stale {self.progress['stale_evals']}/{ev.patience or '∞'}")
+        return ev.patience is not None and self.progress["stale_evals"] >= ev.patience
+
+    def _stalled(self, m: dict) -> bool:
+        g = self.cfg.grpo
+        self.progress["stalled"] = self.progress["stalled"] + 1 if m["batch/trained_fraction"] == 0 else 0
+        if g.max_stalled_updates and self.progress["stalled"] >= g.max_stalled_updates:
+            self.reporter.message(f"stopping: {self.progress['stalled']} updates in a row without a learning signal (grpo.max_stalled_updates)")
+            return True
+        return False
+
+    def _crossed_checkpoint(self, record: UpdateRecord) -> bool:
+        every = self.cfg.checkpoint.every_steps
+        after = self.progress["global_step"]
+        return after // every > (after - record.steps) // every
+
+    def _save(self, name: str) -> None:
+        lora = {n: {"a": l.lora_a.detach().clone(), "b": l.lora_b.detach().clone()} for n, l in self.setup.adapter.layers.items()}
+        path = save_checkpoint(
+            self.cfg.checkpoint.directory, name, write_adapter=self.setup.export, lora=lora,
+            optimizer=self.optimizer.state_dict(), progress=self.progress, signature=self.signature,
+        )
+        self.reporter.message(f"checkpoint {path}")
+
+    def _restore(self, checkpoint) -> None:
+        lora = checkpoint.tensor_file("lora.pt")
+        with torch.no_grad():
+            for name, layer in self.setup.adapter.layers.items():
+                layer.lora_a.copy_(lora[name]["a"])
+                layer.lora_b.copy_(lora[name]["b"])
+        self.optimizer.load_state_dict(checkpoint.tensor_file("optimizer.pt"))
+        restore_rng(checkpoint.tensor_file("rng.pt"))
+        self.progress = dict(checkpoint.progress)
+
+    def _write_rollouts(self, f, update: int, members: list[Member]) -> None:
+        observe = self.cfg.observe
+        if observe and (update + 1) % observe.every:
+            return
+        cap = observe.max_text_chars if observe else 0
+        for m in members:
+            record = {
+                "update": update + 1, "group": m.group, "prompt": _cut(m.prompt.text, cap), "source": m.prompt.source,
+                "completion": _cut(m.text, cap), "tokens": len(m.tokens), "truncated": m.truncated, "reward": m.reward,
+                "advantage": m.advantage, "trained": m.skip_reason is None, "skip_reason": m.skip_reason,
+            }
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+
+
+def _padded(vectors: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence vectors -> [B, T] aligned with `mask` (zeros elsewhere)."""
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    out[mask] = torch.cat([v.to(mask.device, torch.float32) for v in vectors])
+    return out
+
+
+def _cut(text: str, cap: int) -> str:
+    return text if not cap or len(text) <= cap else text[:cap] + " […]"
+
+
+def _order(name: str) -> str:
+    return "sequential" if name == "sequential" else "shuffled"
+
+
+def _baseline(name: str) -> str:
+    return "leave_one_out" if name == "rloo" else name
+
