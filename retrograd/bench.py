@@ -22,16 +22,14 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from retrograd.config import Config
 from retrograd.data import ChatFormat, Example, load_sft
-from retrograd.device import resolve_device
 from retrograd.errors import ConfigError, DataError, GGUFError
 from retrograd.gguf.adapter import AdapterFile, check_shapes, read_adapter
 from retrograd.lora import Adapter, attach_lora, frozen_linears
-from retrograd.model.base import BaseModel, load_model
-from retrograd.recipes.common import Setup, compute_dtype, load_adapter_weights, open_chat
+from retrograd.model.base import BaseModel
+from retrograd.recipes.common import Setup, load_adapter_weights, load_base, open_chat
 from retrograd.recipes.sft import mean_loss
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.report import Reporter
@@ -275,21 +273,8 @@ def _load(
     cfg: Config, reporter: Reporter, chat: ChatFormat, adapter_path: Path | None, adapter_file: AdapterFile | None
 ) -> Setup:
     """The base model once, with the adapter's LoRA attached (an empty one for the base alone)."""
-    t = cfg.training
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    device = resolve_device(cfg.model.device)
-    precision = compute_dtype(t.compute_dtype, device)
-    reporter.message("loading model")
-    t0 = time.perf_counter()
-    model = load_model(
-        cfg.model.path, weights=cfg.model.weights, compute_dtype=precision, device=device, tokenizer=chat.tokenizer
-    )
-    reporter.message(
-        f"model loaded in {time.perf_counter() - t0:.1f} s: {model.path.name} ({model.spec.arch}, {cfg.model.weights} weights, {precision} compute)"
-    )
-    for note in model.notes:
-        reporter.message(f"note: {note}")
+    base = load_base(cfg, reporter, chat)
+    model, device, precision = base.model, base.device, base.precision
     if adapter_file is None:
         reporter.message(f"no adapter at {cfg.output.path}: measuring the base model alone")
         adapter = Adapter({}, 0, 0.0)

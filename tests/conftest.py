@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+import retrograd  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads its OpenMP runtime)
 import torch
 
 from gguf_factory import write_f32_copy, write_tiny_model

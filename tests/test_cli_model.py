@@ -105,9 +105,9 @@ def _tiny_with_type(tmp_path, tiny_model, qtype):
         if t.name == "blk.0.attn_q.weight":
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             raw = np.random.default_rng(0).integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
-            if qtype == QT.Q2_K:  # finite f16 super-block scales (last four bytes of each block)
+            if qtype == QT.IQ4_NL:  # a finite f16 scale leads each block
                 blocks = raw.reshape(-1, size)
-                blocks[:, -4:] = np.full((blocks.shape[0], 2), 0.01, np.float16).view(np.uint8)
+                blocks[:, :2] = np.full((blocks.shape[0], 1), 0.01, np.float16).view(np.uint8)
             w.add_tensor(t.name, raw, raw_dtype=qtype)
         else:
             w.add_tensor(t.name, np.array(t.data).reshape(shape))
@@ -121,10 +121,10 @@ def test_type_without_any_dequantizer_is_refused(tmp_path, tiny_model):
 
 
 def test_type_without_torch_kernel_is_dequantized_once_with_a_note(tmp_path, tiny_model):
-    path = _tiny_with_type(tmp_path, tiny_model, QT.Q2_K)
+    path = _tiny_with_type(tmp_path, tiny_model, QT.IQ4_NL)
     r = run("preflight", "--model", path)
     assert r.returncode == 0, r.stderr
-    assert "Q2_K have no torch kernel: dequantized once at load" in r.stdout
+    assert "IQ4_NL have no torch kernel: dequantized once at load" in r.stdout
     assert "status: ok" in r.stdout
 
 

@@ -9,7 +9,7 @@ import typer
 
 ModelOpt = Annotated[
     Optional[Path],
-    typer.Option("--model", "-m", help="Base GGUF file (default: [model].path, else the bundled SmolLM2-135M-Instruct Q4_1)."),
+    typer.Option("--model", "-m", help="Base GGUF file (default: \\[model].path, else the bundled SmolLM2-135M-Instruct Q4_1)."),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (a CUDA GPU if torch sees one), cpu or gpu.")]
 WeightsOpt = Annotated[

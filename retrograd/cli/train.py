@@ -20,12 +20,12 @@ def train(
     config: Path = typer.Argument(..., help="The run's TOML file."),
     resume: Optional[str] = typer.Option(
         None, "--resume", metavar="[CKPT]",
-        help="Continue from a checkpoint: a .state directory; alone, the newest in [checkpoint].directory.",
+        help="Continue from a checkpoint: a .state directory; alone, the newest in \\[checkpoint].directory.",
     ),
     model: ModelOpt = None,
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or gpu (overrides [model].device)."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or gpu (overrides \\[model].device)."),
 ) -> None:
-    """Train a LoRA on the frozen GGUF base as [run].algorithm says, and export it for llama.cpp."""
+    """Train a LoRA on the frozen GGUF base as \\[run].algorithm says, and export it for llama.cpp."""
     from retrograd.config import load_config
     from retrograd.recipes import RECIPES
 

@@ -88,21 +88,38 @@ def open_chat(cfg: Config) -> ChatFormat:
     return ChatFormat(Tokenizer(path), template, variables=variables, origin=str(path))
 
 
-def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
-    check_output(cfg.output.path)
+@dataclass
+class Base:
+    """The frozen base on its device, before any LoRA."""
+
+    device: torch.device
+    model: BaseModel
+    precision: str  # resolved compute dtype name
+    timings: dict  # start-up phase -> (seconds, Δ host RSS bytes)
+
+
+def load_base(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Base:
     t = cfg.training
     if t.threads:
         torch.set_num_threads(t.threads)
     device = resolve_device(cfg.model.device)
     precision = compute_dtype(t.compute_dtype, device)
     reporter.message("loading model")
-    timings = {}
     t0, r0 = time.perf_counter(), rss_bytes()
     model = load_model(cfg.model.path, weights=cfg.model.weights, compute_dtype=precision, device=device, tokenizer=chat.tokenizer)
-    timings["model load"] = (time.perf_counter() - t0, rss_bytes() - r0)
+    timings = {"model load": (time.perf_counter() - t0, rss_bytes() - r0)}
     reporter.message(f"model loaded in {timings['model load'][0]:.1f} s: {model.path.name} ({model.spec.arch}, {cfg.model.weights} weights, {precision} compute)")
     for note in model.notes:
         reporter.message(f"note: {note}")
+    return Base(device, model, precision, timings)
+
+
+def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
+    """Everything a training run needs: the base, the [lora] adapter, checkpointing settings."""
+    check_output(cfg.output.path)
+    t = cfg.training
+    base = load_base(cfg, reporter, chat)
+    model = base.model
     if t.gradient_checkpointing:
         model.transformer.checkpoint_every = t.checkpoint_every_n_layers
         model.transformer.checkpoint_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[t.checkpoint_dtype]
@@ -110,8 +127,8 @@ def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
     adapter = attach_lora(model.transformer, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.seed)
     if cfg.lora.init_adapter is not None:
         load_adapter_weights(adapter, cfg.lora.init_adapter)
-    timings["LoRA creation"] = (time.perf_counter() - t0, rss_bytes() - r0)
-    return Setup(cfg, device, model, adapter, chat, precision, timings)
+    timings = base.timings | {"LoRA creation": (time.perf_counter() - t0, rss_bytes() - r0)}
+    return Setup(cfg, base.device, model, adapter, chat, base.precision, timings)
 
 
 def load_adapter_weights(adapter: Adapter, path: Path) -> None:
