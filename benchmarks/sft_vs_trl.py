@@ -148,7 +148,7 @@ def run_trl() -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     from retrograd.bundled import default_model_path
@@ -172,7 +172,9 @@ def run_trl() -> dict:
     torch.set_num_threads(WORK.threads)
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # dequantize=True: a plain float32 model (transformers refuses to train one still marked GGUF-quantized)
+    dequantized = GgufConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, quantization_config=dequantized)
     dataset = Dataset.from_list([
         {"prompt": [{"role": "user", "content": q}], "completion": [{"role": "assistant", "content": a}]}
         for q, a in WORK.questions()

@@ -149,7 +149,7 @@ def test_resume_refuses_a_changed_setting(tmp_path, tiny_model):
     sft.run(load_config(cfg), SilentReporter())
     cfg.write_text(cfg.read_text().replace("lr = 5e-3", "lr = 1e-3"))
     r = subprocess.run([*RETROGRAD, "train", str(cfg), "--resume"], capture_output=True, text=True)
-    assert r.returncode == 2 and "training differs" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "training.lr differs (checkpoint: 0.005, now: 0.001)" in r.stderr and "Traceback" not in r.stderr
 
 
 def one_line_error(result, *needles):

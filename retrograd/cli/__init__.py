@@ -20,10 +20,10 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-from retrograd.cli import bench as _bench  # noqa: E402,F401  (registers bench)
-from retrograd.cli import model as _model  # noqa: E402,F401  (registers inspect, preflight)
-from retrograd.cli import profile as _profile  # noqa: E402,F401  (registers profile)
-from retrograd.cli import train as _train  # noqa: E402,F401  (registers train)
+from retrograd.cli import bench as _bench  # noqa: F401  (registers bench)
+from retrograd.cli import model as _model  # noqa: F401  (registers inspect, preflight)
+from retrograd.cli import profile as _profile  # noqa: F401  (registers profile)
+from retrograd.cli import train as _train  # noqa: F401  (registers train)
 
 # options whose value is optional: alone (last, or before another option) they mean this
 OPTIONAL_VALUES = {"--resume": "latest"}

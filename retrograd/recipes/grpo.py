@@ -21,7 +21,6 @@ resumed run repeats the remaining updates exactly.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,27 +30,24 @@ import torch
 
 from retrograd.config import Config
 from retrograd.data import Prompt, load_prompts
-from retrograd.errors import RetrogradError
 from retrograd.memory import PeakMemory, rss_bytes
 from retrograd.objectives.advantages import group_advantages
-from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, merge_diagnostics, policy_loss
+from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
 from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
 from retrograd.rollouts.rewards import make_reward
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.training.batches import LogprobOptions
-from retrograd.training.checkpoint import check_signature, restore_rng, save_checkpoint, step_name
+from retrograd.training.checkpoint import check_signature, step_name
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
-from retrograd.training.optim import build_optimizer, clip_gradients, learning_rate
+from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.scoring import Rollout, micro_batch_logprobs, plan, rollout_logprobs
+from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
+from retrograd.training.scoring import Rollout, micro_batch_logprobs
+from retrograd.training.state import restore_state, save_state, track_evaluation
 
 PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer", "adapter_refresh")
-
-
-class TrainingDiverged(RetrogradError):
-    pass
 
 
 @dataclass
@@ -171,20 +167,23 @@ class GRPOLoop:
         self.cfg, self.setup, self.sampler, self.reward = cfg, setup, sampler, reward
         self.prompts, self.eval_prompts, self.reporter = prompts, eval_prompts, reporter
         g, t = cfg.grpo, cfg.training
-        self.params = setup.adapter.parameters()
-        self.optimizer = build_optimizer(self.params, t.optimizer, t.lr, t.weight_decay)
-        self.options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
-        self.loss_options = PolicyLossOptions(
+        self.optimizer = build_optimizer(setup.adapter.parameters(), t.optimizer, t.lr, t.weight_decay)
+        loss_options = PolicyLossOptions(
             clip_range_low=g.clip_range_low,
             clip_range_high=g.clip_range_high,
             importance_sampling_level=g.importance_sampling_level,
             loss_normalization=g.loss_normalization,
             tis_cap=g.tis_cap,
         )
+        self.total_steps = g.updates * g.grpo_epochs * g.minibatches
+        schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, self.total_steps, t.max_grad_norm)
+        self.duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
+        self.policy = PolicyOptimizer(
+            setup, self.optimizer, loss_options, schedule, LogprobOptions.from_training(t, setup.model.spec.n_vocab),
+            self.duty, t.micro_batch, cfg.lora.seed,
+        )
         self.sampling = Sampling(g.sampling.max_new_tokens, g.sampling.temperature, g.sampling.top_p)
         self.eog = sampler.eog_ids
-        self.total_steps = g.updates * g.grpo_epochs * g.minibatches
-        self.duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
         self.progress = {"update": 0, "global_step": 0, "prompt_cursor": 0, "best_eval": None, "stale_evals": 0,
                          "stalled": 0, "kl_multiplier": 1.0}
         self.rss_after_load = rss_bytes()
@@ -281,10 +280,18 @@ class GRPOLoop:
         metrics = self._rollout_metrics(groups)
         trainable = [m for group in live_groups for m in group if m.live and m.skip_reason is None]
         beta = kl_coefficient(g.kl_coefficient, update, g.kl_schedule.warmup_updates if g.kl_schedule else 0, self.progress["kl_multiplier"])
-        steps_before = self.progress["global_step"]
+        steps_before = self.policy.global_step
         step_diagnostics: list[dict] = []
         if trainable:
-            metrics |= self._optimize(update, trainable, beta, timing, step_diagnostics)
+            samples = [
+                TrainSample(Rollout(m.group, m.prompt.ids, m.tokens), torch.tensor(m.advantage), torch.tensor(m.sampler_logprobs))
+                for m in trainable
+            ]
+            diagnostics, step_diagnostics = self.policy.update(
+                update, samples, beta=beta, epochs=g.grpo_epochs, minibatches=g.minibatches,
+                budget_tokens=g.sampling.max_new_tokens, timing=timing,
+            )
+            metrics |= diagnostics
             if g.kl_schedule and g.kl_schedule.target:
                 self.progress["kl_multiplier"] = adapt_kl_multiplier(self.progress["kl_multiplier"], metrics["policy/kl"], g.kl_schedule.target)
             t0 = time.perf_counter()
@@ -294,7 +301,8 @@ class GRPOLoop:
         else:
             self.reporter.message(f"update {update + 1}: every group was dead (equal rewards); nothing to train")
         metrics["policy/beta"] = beta
-        return UpdateRecord(update, metrics, timing, self.progress["global_step"] - steps_before, step_diagnostics), members
+        self.progress["global_step"] = self.policy.global_step
+        return UpdateRecord(update, metrics, timing, self.policy.global_step - steps_before, step_diagnostics), members
 
     # ---------------------------------------------------------------- rollouts
 
@@ -387,82 +395,6 @@ class GRPOLoop:
             "batch/groups_sampled_fraction": len(groups) / self.progress.get("sampled_groups", len(groups)),
         }
 
-    # ---------------------------------------------------------------- optimization
-
-    def _optimize(self, update: int, members: list[Member], beta: float, timing: dict, per_step: list[dict]) -> dict:
-        g, t = self.cfg.grpo, self.cfg.training
-        model = self.setup.model.transformer
-        rollouts = [Rollout(m.group, m.prompt.ids, m.tokens) for m in members]
-        single_step = g.grpo_epochs == 1 and g.minibatches == 1
-        old = None
-        if not single_step:  # ratios need the policy as it was when sampling
-            t0 = time.perf_counter()
-            with self.duty.burst():
-                old = rollout_logprobs(model, rollouts, self.options, t.micro_batch, self.setup.device)
-            timing["behavior_scoring"] += time.perf_counter() - t0
-        ref = None
-        if beta > 0:
-            t0 = time.perf_counter()
-            with self.setup.adapter.disabled(), self.duty.burst():
-                ref = rollout_logprobs(model, rollouts, self.options, t.micro_batch, self.setup.device)
-            timing["reference"] += time.perf_counter() - t0
-
-        parts: list[dict] = []
-        mismatch: list[torch.Tensor] = []
-        t0 = time.perf_counter()
-        for epoch in range(g.grpo_epochs):
-            order = np.random.default_rng([self.cfg.lora.seed, update, epoch]).permutation(len(members))
-            for minibatch in np.array_split(order, g.minibatches):
-                if len(minibatch) == 0:
-                    continue
-                step = self.progress["global_step"]
-                lr = learning_rate(step, lr=t.lr, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps, total_steps=self.total_steps)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                idx = sorted(int(i) for i in minibatch)  # keep groups adjacent for prefix sharing
-                counts = MinibatchCounts(len(idx), sum(len(members[i].tokens) for i in idx), g.sampling.max_new_tokens)
-                step_parts = []
-                with self.duty.burst():
-                    for micro in plan([rollouts[i] for i in idx], t.micro_batch):
-                        chosen = [idx[k] for k in micro]
-                        logp, mask = micro_batch_logprobs(model, [rollouts[i] for i in chosen], self.options, self.setup.device)
-                        old_logp = logp.detach() if old is None else _padded([old[i] for i in chosen], mask)
-                        sampler_logp = _padded([torch.tensor(members[i].sampler_logprobs) for i in chosen], mask)
-                        loss, diag = policy_loss(
-                            logp, old_logp, torch.tensor([members[i].advantage for i in chosen], dtype=logp.dtype),
-                            mask, counts, self.loss_options, beta=beta,
-                            ref_logp=None if ref is None else _padded([ref[i] for i in chosen], mask),
-                            sampler_logp=sampler_logp if g.tis_cap is not None else None,
-                        )
-                        loss.backward()
-                        step_parts.append(diag)
-                        if epoch == 0:
-                            mismatch.append((sampler_logp - old_logp.float())[mask])
-                    if not math.isfinite(sum(p["policy/total_loss"] for p in step_parts)):
-                        raise TrainingDiverged(f"update {update + 1}: the loss is not finite; stopped without updating the adapter — try a lower training.lr")
-                    clip_gradients(self.params, t.max_grad_norm)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                self.progress["global_step"] = step + 1
-                parts.extend(step_parts)
-                per_step.append(merge_diagnostics(step_parts))
-        timing["optimizer"] += time.perf_counter() - t0
-        merged = merge_diagnostics(parts)
-        # the sums of the micro-batch shares are per optimizer step; report the update's mean
-        n_steps = g.grpo_epochs * g.minibatches
-        for k in ("policy/surrogate_loss", "policy/kl", "policy/total_loss"):
-            merged[k] /= n_steps
-        delta = torch.cat(mismatch).double()  # log p_llama.cpp - log p_torch on sampled tokens
-        merged |= {
-            "policy/logprob_mismatch_abs_mean": delta.abs().mean().item(),
-            "policy/logprob_mismatch_kl": (delta.exp() - 1 - delta).mean().item(),  # k3 of KL(torch || llama.cpp)
-            "optimizer/learning_rate": self.optimizer.param_groups[0]["lr"],
-            "batch/trained_tokens": float(sum(len(m.tokens) for m in members)),
-        }
-        if merged["policy/kl"] > 50 or not math.isfinite(merged["policy/kl"]):
-            raise TrainingDiverged(f"update {update + 1}: KL to the reference is {merged['policy/kl']:.3g}; lower training.lr or raise grpo.kl_coefficient")
-        return merged
-
     # ---------------------------------------------------------------- evaluation, checkpoints
 
     def _evaluation_due(self, update: int) -> bool:
@@ -478,19 +410,17 @@ class GRPOLoop:
         rewards = self.reward.score([p.text for p in self.eval_prompts], [self._text(c.tokens) for c in completions])
         mean = float(np.mean(rewards))
         metrics.log(self.progress["global_step"], {"eval/mean_reward": mean, "eval/reward_min": float(min(rewards)), "eval/reward_max": float(max(rewards)), "train/update": update + 1})
-        best = self.progress["best_eval"]
         line = f"eval update {update + 1}/{g.updates}: mean {mean:.4f}  range [{min(rewards):.3f}, {max(rewards):.3f}]  n={len(rewards)}"
-        if best is None or mean > best + ev.min_delta:
-            self.progress.update(best_eval=mean, stale_evals=0)
+        outcome = track_evaluation(self.progress, mean, higher_is_better=True, min_delta=ev.min_delta, patience=ev.patience)
+        if outcome.improved:
             saved = ""
             if self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
                 self._save("best")
                 saved = " (saved best.gguf)"
             self.reporter.message(f"{line}  best {mean:.4f} ↑{saved}")
-            return False
-        self.progress["stale_evals"] += 1
-        self.reporter.message(f"{line}  best {best:.4f}, stale {self.progress['stale_evals']}/{ev.patience or '∞'}")
-        return ev.patience is not None and self.progress["stale_evals"] >= ev.patience
+        else:
+            self.reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
+        return outcome.stop
 
     def _stalled(self, m: dict) -> bool:
         g = self.cfg.grpo
@@ -506,22 +436,12 @@ class GRPOLoop:
         return after // every > (after - record.steps) // every
 
     def _save(self, name: str) -> None:
-        lora = {n: {"a": l.lora_a.detach().clone(), "b": l.lora_b.detach().clone()} for n, l in self.setup.adapter.layers.items()}
-        path = save_checkpoint(
-            self.cfg.checkpoint.directory, name, write_adapter=self.setup.export, lora=lora,
-            optimizer=self.optimizer.state_dict(), progress=self.progress, signature=self.signature,
-        )
+        path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
         self.reporter.message(f"checkpoint {path}")
 
     def _restore(self, checkpoint) -> None:
-        lora = checkpoint.tensor_file("lora.pt")
-        with torch.no_grad():
-            for name, layer in self.setup.adapter.layers.items():
-                layer.lora_a.copy_(lora[name]["a"])
-                layer.lora_b.copy_(lora[name]["b"])
-        self.optimizer.load_state_dict(checkpoint.tensor_file("optimizer.pt"))
-        restore_rng(checkpoint.tensor_file("rng.pt"))
-        self.progress = dict(checkpoint.progress)
+        self.progress = restore_state(checkpoint, self.setup, self.optimizer)
+        self.policy.global_step = self.progress["global_step"]
 
     def _write_rollouts(self, f, update: int, members: list[Member]) -> None:
         observe = self.cfg.observe
@@ -536,13 +456,6 @@ class GRPOLoop:
             }
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
-
-
-def _padded(vectors: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence vectors -> [B, T] aligned with `mask` (zeros elsewhere)."""
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    out[mask] = torch.cat([v.to(mask.device, torch.float32) for v in vectors])
-    return out
 
 
 def _cut(text: str, cap: int) -> str:

@@ -25,10 +25,11 @@ from retrograd.errors import RetrogradError
 from retrograd.memory import rss_bytes
 from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
 from retrograd.training.batches import LogprobOptions, batch_logprobs, pack, plan_micro_batches
-from retrograd.training.checkpoint import check_signature, latest_checkpoint, restore_rng, save_checkpoint, step_name
+from retrograd.training.checkpoint import check_signature, latest_checkpoint, step_name
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer, clip_gradients, learning_rate
 from retrograd.training.report import Reporter
+from retrograd.training.state import restore_state, save_state, track_evaluation
 
 
 class TrainingDiverged(RetrogradError):
@@ -105,14 +106,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     checkpoint = resume_point(cfg, resume)
     if checkpoint is not None:
         check_signature(checkpoint, sig)
-        lora = checkpoint.tensor_file("lora.pt")
-        with torch.no_grad():
-            for name, layer in setup.adapter.layers.items():
-                layer.lora_a.copy_(lora[name]["a"])
-                layer.lora_b.copy_(lora[name]["b"])
-        optimizer.load_state_dict(checkpoint.tensor_file("optimizer.pt"))
-        restore_rng(checkpoint.tensor_file("rng.pt"))
-        progress = dict(checkpoint.progress)
+        progress = restore_state(checkpoint, setup, optimizer)
         reporter.message(f"resumed from {checkpoint.path} at step {progress['global_step']}")
 
     reporter.message(f"sft: examples={len(examples)}, epochs={t.epochs}, steps_per_epoch={len(plans[0])}, steps={total_steps}")
@@ -121,11 +115,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     metrics = MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=checkpoint is not None)
 
     def save(name: str) -> Path:
-        lora = {n: {"a": l.lora_a.detach().clone(), "b": l.lora_b.detach().clone()} for n, l in setup.adapter.layers.items()}
-        path = save_checkpoint(
-            cfg.checkpoint.directory, name, write_adapter=setup.export, lora=lora,
-            optimizer=optimizer.state_dict(), progress=progress, signature=sig,
-        )
+        path = save_state(setup, optimizer, progress, sig, name)
         reporter.message(f"checkpoint {path}")
         return path
 
@@ -205,20 +195,17 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
 def _after_eval(cfg: Config, progress: dict, eval_loss: float, epoch: int, reporter: Reporter, save) -> bool:
     """Best-checkpoint bookkeeping and patience; returns True when training should stop."""
     ev = cfg.evaluation
-    best = progress["best_eval"]
-    improved = best is None or eval_loss < best - ev.min_delta
-    ppl = math.exp(min(eval_loss, 50.0))
-    if improved:
-        progress.update(best_eval=eval_loss, stale_evals=0)
+    outcome = track_evaluation(progress, eval_loss, higher_is_better=False, min_delta=ev.min_delta, patience=ev.patience)
+    line = f"eval epoch {epoch}: loss {eval_loss:.4f}  perplexity {math.exp(min(eval_loss, 50.0)):.2f}"
+    if outcome.improved:
         saved = ""
         if cfg.checkpoint and "best_eval" in cfg.checkpoint.mode:
             save("best")
             saved = " (saved best.gguf)"
-        reporter.message(f"eval epoch {epoch}: loss {eval_loss:.4f}  perplexity {ppl:.2f}  best {eval_loss:.4f} ↓{saved}")
-        return False
-    progress["stale_evals"] += 1
-    reporter.message(f"eval epoch {epoch}: loss {eval_loss:.4f}  perplexity {ppl:.2f}  best {best:.4f}, stale {progress['stale_evals']}/{ev.patience or '∞'}")
-    return ev.patience is not None and progress["stale_evals"] >= ev.patience
+        reporter.message(f"{line}  best {eval_loss:.4f} ↓{saved}")
+    else:
+        reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
+    return outcome.stop
 
 
 def _latest_name(cfg: Config) -> Path | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 class MetricsSink:
     def __init__(self, jsonl_path: Path, tensorboard_dir: Path | None = None, *, append: bool = False):
         jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(jsonl_path, "a" if append else "w", encoding="utf-8")
+        self._file = open(jsonl_path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self._tb = None
         if tensorboard_dir is not None:
             from tensorboardX import SummaryWriter

@@ -7,8 +7,8 @@ packing, and therefore the numbers, are the same each time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -18,11 +18,16 @@ from retrograd.training.batches import Group, LogprobOptions, TokenSequence, bat
 
 @dataclass(frozen=True)
 class Rollout:
-    """What scoring needs of one completion: its prompt (shared by its group) and tokens."""
+    """What scoring needs of one sample: its prompt (shared by its group), the tokens after
+    it, and which of those the policy produced (None: all of them). Only those are scored."""
 
     group: int  # rollouts with the same group share the prompt
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]
+    mask: tuple[bool, ...] | None = None
+
+    def sequence(self) -> TokenSequence:
+        return TokenSequence(self.tokens, self.mask if self.mask is not None else (True,) * len(self.tokens))
 
 
 def plan(rollouts: Sequence[Rollout], budget: int) -> list[list[int]]:
@@ -48,19 +53,20 @@ def plan(rollouts: Sequence[Rollout], budget: int) -> list[list[int]]:
 def micro_batch_logprobs(
     model: Transformer, rollouts: Sequence[Rollout], options: LogprobOptions, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch -> (logp [B, T], mask [B, T]) padded to the longest completion,
-    rows in the order of `rollouts`; differentiable when grad is enabled."""
+    """One micro-batch -> (logp [B, T], mask [B, T]): each row holds the log-probs of its
+    scored tokens, left-aligned and padded to the longest; rows in the order of `rollouts`;
+    differentiable when grad is enabled."""
     by_group: dict[int, list[int]] = {}
     for i, r in enumerate(rollouts):
         by_group.setdefault(r.group, []).append(i)
     items, order = [], []
     for members in by_group.values():
         prompt = rollouts[members[0]].prompt
-        items.append(Group(prompt, tuple(TokenSequence(rollouts[i].tokens, (True,) * len(rollouts[i].tokens)) for i in members)))
+        items.append(Group(prompt, tuple(rollouts[i].sequence() for i in members)))
         order += members
     batch = pack(items, device)
     flat = batch_logprobs(model, batch, options)  # [N] in packing order
-    lengths = [len(rollouts[i].tokens) for i in order]
+    lengths = [rollouts[i].sequence().n_trained for i in order]
     width = max(lengths)
     logp = flat.new_zeros(len(rollouts), width)  # [B, T]
     mask = torch.zeros(len(rollouts), width, dtype=torch.bool, device=flat.device)  # [B, T]

@@ -1,0 +1,153 @@
+"""One policy-gradient update on sampled rollouts, shared by GRPO, agentic GRPO and
+on-policy distillation: they differ in how rollouts and advantages are made, not here.
+
+Per update: the behaviour log-probs (a teacher-forced torch pass; skipped when one
+optimizer step covers the update, where the ratio is exactly 1 by construction), the
+reference log-probs with the adapter switched off when beta > 0, then `epochs` passes over
+`minibatches` shuffled minibatches, one optimizer step each, micro-batches packed with each
+group's prompt once. It also measures how far llama.cpp's sampling log-probs are from
+torch's on the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from retrograd.errors import RetrogradError
+from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, merge_diagnostics, policy_loss
+from retrograd.training.batches import LogprobOptions
+from retrograd.training.duty_cycle import DutyCycle
+from retrograd.training.optim import clip_gradients, learning_rate
+from retrograd.training.scoring import Rollout, micro_batch_logprobs, plan, rollout_logprobs
+
+KL_DIVERGENCE_LIMIT = 50.0  # retrograd's divergence guard
+
+
+class TrainingDiverged(RetrogradError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    rollout: Rollout  # prompt, tokens and which of them the policy produced
+    advantages: torch.Tensor  # [] one per sample, or [n] one per scored token
+    sampler_logprobs: torch.Tensor  # [n] llama.cpp's log-probs of the scored tokens
+
+    @property
+    def n_scored(self) -> int:
+        return self.sampler_logprobs.shape[0]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    lr: float
+    scheduler: str
+    warmup_steps: int
+    total_steps: int
+    max_grad_norm: float
+
+
+class PolicyOptimizer:
+    """The optimizer side of a rollout recipe; `global_step` is saved with the checkpoint."""
+
+    def __init__(self, setup, optimizer: torch.optim.Optimizer, loss_options: PolicyLossOptions, schedule: Schedule,
+                 logprob_options: LogprobOptions, duty: DutyCycle, micro_batch: int, seed: int):
+        self.setup, self.optimizer, self.loss_options = setup, optimizer, loss_options
+        self.schedule, self.options, self.duty = schedule, logprob_options, duty
+        self.micro_batch, self.seed = micro_batch, seed
+        self.params = setup.adapter.parameters()
+        self.global_step = 0
+
+    def update(self, update: int, samples: list[TrainSample], *, beta: float, epochs: int, minibatches: int,
+               budget_tokens: int, timing: dict) -> tuple[dict, list[dict]]:
+        """Train on `samples`; returns the update's merged diagnostics and one dict per step."""
+        model = self.setup.model.transformer
+        rollouts = [s.rollout for s in samples]
+        old = None
+        if epochs > 1 or minibatches > 1:  # ratios need the policy as it was when sampling
+            old = self._score(rollouts, timing, "behavior_scoring")
+        ref = None
+        if beta > 0:
+            with self.setup.adapter.disabled():
+                ref = self._score(rollouts, timing, "reference")
+
+        parts, per_step, mismatch = [], [], []
+        t0 = time.perf_counter()
+        for epoch in range(epochs):
+            order = np.random.default_rng([self.seed, update, epoch]).permutation(len(samples))
+            for minibatch in np.array_split(order, minibatches):
+                if len(minibatch) == 0:
+                    continue
+                idx = sorted(int(i) for i in minibatch)  # groups stay adjacent: prompts packed once
+                step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens, mismatch if epoch == 0 else None)
+                parts.extend(step_parts)
+                per_step.append(merge_diagnostics(step_parts))
+        timing["optimizer"] = timing.get("optimizer", 0.0) + time.perf_counter() - t0
+
+        merged = merge_diagnostics(parts)
+        for k in ("policy/surrogate_loss", "policy/kl", "policy/total_loss"):
+            merged[k] /= len(per_step)  # shares add up per step; report the update's mean step
+        delta = torch.cat(mismatch).double()  # log p_llama.cpp - log p_torch on the sampled tokens
+        merged |= {
+            "policy/logprob_mismatch_abs_mean": delta.abs().mean().item(),
+            "policy/logprob_mismatch_kl": (delta.exp() - 1 - delta).mean().item(),  # k3 estimate of KL(torch || llama.cpp)
+            "optimizer/learning_rate": self.optimizer.param_groups[0]["lr"],
+            "batch/trained_tokens": float(sum(s.n_scored for s in samples)),
+        }
+        if merged["policy/kl"] > KL_DIVERGENCE_LIMIT or not math.isfinite(merged["policy/kl"]):
+            raise TrainingDiverged(
+                f"update {update + 1}: KL to the reference is {merged['policy/kl']:.3g}; lower training.lr or raise the kl_coefficient"
+            )
+        return merged, per_step
+
+    def _score(self, rollouts, timing: dict, phase: str) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        with self.duty.burst():
+            out = rollout_logprobs(self.setup.model.transformer, rollouts, self.options, self.micro_batch, self.setup.device)
+        timing[phase] = timing.get(phase, 0.0) + time.perf_counter() - t0
+        return out
+
+    def _step(self, model, samples, idx, old, ref, beta, budget_tokens, mismatch) -> list[dict]:
+        s = self.schedule
+        lr = learning_rate(self.global_step, lr=s.lr, schedule=s.scheduler, warmup_steps=s.warmup_steps, total_steps=s.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        counts = MinibatchCounts(len(idx), sum(samples[i].n_scored for i in idx), budget_tokens)
+        parts = []
+        with self.duty.burst():
+            for micro in plan([samples[i].rollout for i in idx], self.micro_batch):
+                chosen = [idx[k] for k in micro]
+                logp, mask = micro_batch_logprobs(model, [samples[i].rollout for i in chosen], self.options, self.setup.device)
+                old_logp = logp.detach() if old is None else padded([old[i] for i in chosen], mask)
+                sampler_logp = padded([samples[i].sampler_logprobs for i in chosen], mask)
+                advantages = padded([samples[i].advantages.expand(samples[i].n_scored) for i in chosen], mask)
+                loss, diag = policy_loss(
+                    logp, old_logp, advantages, mask, counts, self.loss_options, beta=beta,
+                    ref_logp=None if ref is None else padded([ref[i] for i in chosen], mask),
+                    sampler_logp=sampler_logp if self.loss_options.tis_cap is not None else None,
+                )
+                loss.backward()
+                parts.append(diag)
+                if mismatch is not None:
+                    mismatch.append((sampler_logp - old_logp.float())[mask])
+            if not math.isfinite(sum(p["policy/total_loss"] for p in parts)):
+                raise TrainingDiverged(
+                    f"step {self.global_step + 1}: the loss is not finite; stopped without updating the adapter — try a lower training.lr"
+                )
+            clip_gradients(self.params, s.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return parts
+
+
+def padded(vectors: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Per-sample vectors -> [B, T] aligned with `mask` (zeros elsewhere)."""
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    out[mask] = torch.cat([v.to(mask.device, torch.float32) for v in vectors])
+    return out

@@ -1,0 +1,53 @@
+"""What every recipe's loop shares around the optimizer: saving and restoring the training
+state in a checkpoint, and the best-evaluation / patience bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from retrograd.training.checkpoint import Checkpoint, restore_rng, save_checkpoint
+
+
+def save_state(setup, optimizer: torch.optim.Optimizer, progress: dict, signature: dict, name: str) -> Path:
+    """A checkpoint of the adapter (exact float32 and as a llama.cpp GGUF), optimizer, RNG
+    and `progress` (the recipe's counters and data cursor)."""
+    lora = {n: {"a": layer.lora_a.detach().clone(), "b": layer.lora_b.detach().clone()} for n, layer in setup.adapter.layers.items()}
+    return save_checkpoint(
+        setup.cfg.checkpoint.directory, name, write_adapter=setup.export, lora=lora,
+        optimizer=optimizer.state_dict(), progress=progress, signature=signature,
+    )
+
+
+def restore_state(checkpoint: Checkpoint, setup, optimizer: torch.optim.Optimizer) -> dict:
+    """Put the adapter, optimizer and RNG back as saved; returns the saved progress."""
+    lora = checkpoint.tensor_file("lora.pt")
+    with torch.no_grad():
+        for name, layer in setup.adapter.layers.items():
+            layer.lora_a.copy_(lora[name]["a"])
+            layer.lora_b.copy_(lora[name]["b"])
+    optimizer.load_state_dict(checkpoint.tensor_file("optimizer.pt"))
+    restore_rng(checkpoint.tensor_file("rng.pt"))
+    return dict(checkpoint.progress)
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    improved: bool
+    best: float
+    stale: int
+    stop: bool  # patience ran out
+
+
+def track_evaluation(progress: dict, value: float, *, higher_is_better: bool, min_delta: float, patience: int | None) -> EvalOutcome:
+    """Update progress["best_eval"] / ["stale_evals"] with a new held-out value."""
+    best = progress.get("best_eval")
+    gain = value - best if best is not None and higher_is_better else (best - value if best is not None else None)
+    if gain is None or gain > min_delta:
+        progress.update(best_eval=value, stale_evals=0)
+        return EvalOutcome(True, value, 0, False)
+    progress["stale_evals"] = progress.get("stale_evals", 0) + 1
+    stale = progress["stale_evals"]
+    return EvalOutcome(False, best, stale, patience is not None and stale >= patience)
