@@ -185,6 +185,79 @@ class GRPOSection:
 
 
 @section
+class JudgeSection:
+    type: str = key("command", choices=("command",))
+    command: list[str] = key()
+    timeout_secs: float = key(30.0, gt=0)
+
+
+@section
+class AgentSection:
+    scenarios: Path = key()
+    updates: int = key(1, ge=1)
+    scenarios_per_update: int = key(1, ge=1)
+    group_size: int = key(8, ge=2, le=256)
+    epochs_per_update: int = key(4, ge=1)
+    minibatches: int = key(1, ge=1)
+    max_turns: int = key(6, ge=1)
+    max_new_tokens_per_turn: int = key(512, ge=1)
+    max_trajectory_tokens: int | None = key(None, ge=2)  # None: training.ctx
+    max_rollout_secs: float = key(300.0, ge=0)  # 0 disables
+    end_on_no_tool_call: bool = key(True)
+    max_failed_turns: int = key(0, ge=0)
+    truncation: str = key("drop", choices=("drop", "min_reward"))
+    max_dropped_fraction: float = key(0.5, ge=0, le=1)
+    skip_empty_updates: bool = key(False)
+    judge_failure: str = key("drop_group", choices=("drop_group", "fail"))
+    clip_range_low: float = key(0.2, gt=0, lt=1)
+    clip_range_high: float = key(0.28, gt=0, lt=1)
+    kl_coefficient: float = key(0.0, ge=0)
+    baseline: str = key("mean", choices=("mean", "leave_one_out", "rloo"))
+    scale_rewards: str = key("none", choices=("none", "group", "batch"))
+    loss_normalization: str = key("budget", choices=("budget", "token", "sequence"))
+    temperature: float = key(1.0, gt=0, le=10)
+    top_p: float = key(1.0, gt=0, le=1)
+    system_suffix: str = key("")
+    template_variables: dict = key({})
+    seed: int = key(42, ge=0)
+    environment: dict = key({})  # [agent.environment]: validated by retrograd.rollouts.sandbox.EnvironmentOptions
+    judge: JudgeSection | None = key(None)
+
+
+@section
+class DistillSection:
+    mode: str = key("on_policy", choices=("on_policy", "topk_offline"))
+    teacher_path: Path = key()
+    teacher_backend: str = key("llama.cpp", choices=("llama.cpp", "torch"))  # on-policy scoring: light or exact
+    loss: str = key("reverse_kl", choices=("reverse_kl", "jsd"))  # jsd: TRL's generalized JSD over the teacher's top-k
+    jsd_beta: float = key(0.5, ge=0, le=1)
+    topk: int = key(16, ge=1)
+    # on-policy
+    prompts: Path | None = key(None)
+    updates: int | None = key(None, ge=1)
+    prompts_per_update: int | None = key(None, ge=1)
+    samples_per_prompt: int = key(1, ge=1, le=256)
+    distill_epochs: int = key(1, ge=1)
+    clip_range_low: float = key(0.2, gt=0, lt=1)
+    clip_range_high: float = key(0.28, gt=0, lt=1)
+    weight_clip: float = key(5.0, gt=0)
+    kl_coefficient: float = key(0.0, ge=0)
+    mask_truncated: bool = key(False)
+    prompt_order: str = key("sequential", choices=("sequential", "shuffled", "shuffle"))
+    sampling: SamplingSection | None = key(None)
+    # offline top-k
+    data: Path | None = key(None)
+    sidecar: Path | None = key(None)
+    offline_epochs: int = key(1, ge=1)
+
+
+ON_POLICY_ONLY = ("prompts", "updates", "prompts_per_update", "samples_per_prompt", "distill_epochs", "clip_range_low",
+                  "clip_range_high", "weight_clip", "kl_coefficient", "mask_truncated", "prompt_order", "sampling",
+                  "teacher_backend", "loss", "jsd_beta")
+OFFLINE_ONLY = ("data", "sidecar", "offline_epochs")
+
+
+@section
 class ObserveSection:
     directory: Path = key()
     every: int = key(1, ge=1)
@@ -202,6 +275,8 @@ SECTION_TYPES: dict[str, type] = {
     "checkpoint": CheckpointSection,
     "metrics": MetricsSection,
     "grpo": GRPOSection,
+    "agent": AgentSection,
+    "distill": DistillSection,
     "observe": ObserveSection,
 }
 COMMON_SECTIONS = ("run", "model", "output", "lora", "training", "evaluation", "checkpoint", "metrics")
@@ -222,6 +297,8 @@ class Config:
     metrics: MetricsSection
     sft: SFTSection | None = None
     grpo: GRPOSection | None = None
+    agent: AgentSection | None = None
+    distill: DistillSection | None = None
     observe: ObserveSection | None = None
     evaluation: EvaluationSection | None = None
     checkpoint: CheckpointSection | None = None
@@ -323,6 +400,26 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append("grpo.reward_mode applies to reward_command, not reward_function")
         if grpo.minibatches > grpo.prompts_per_update * grpo.group_size:
             problems.append(f"grpo.minibatches = {grpo.minibatches} is more than the {grpo.prompts_per_update * grpo.group_size} completions of an update")
+    distill: DistillSection | None = s.get("distill")
+    if distill is not None:
+        on_policy = distill.mode == "on_policy"
+        for k in OFFLINE_ONLY if on_policy else ON_POLICY_ONLY:
+            if f"distill.{k}" in explicit:
+                problems.append(f"distill.{k} applies to mode = {'topk_offline' if on_policy else 'on_policy'}, not {distill.mode}")
+        needed = ("prompts", "updates", "prompts_per_update", "sampling") if on_policy else ("data", "sidecar")
+        for k in needed:
+            if getattr(distill, k) is None:
+                problems.append(f"distill.{k} is required with mode = {distill.mode!r}")
+        if on_policy and distill.sampling and distill.sampling.max_new_tokens >= training.ctx:
+            problems.append(f"distill.sampling.max_new_tokens = {distill.sampling.max_new_tokens} leaves no room for a prompt in training.ctx = {training.ctx}")
+    agent: AgentSection | None = s.get("agent")
+    if agent is not None:
+        if agent.clip_range_high < agent.clip_range_low:
+            problems.append(f"agent.clip_range_high = {agent.clip_range_high} must be >= agent.clip_range_low = {agent.clip_range_low}")
+        if agent.max_trajectory_tokens is not None and agent.max_trajectory_tokens > training.ctx:
+            problems.append(f"agent.max_trajectory_tokens = {agent.max_trajectory_tokens} is more than training.ctx = {training.ctx}")
+        if not agent.environment and agent.judge is None:
+            problems.append("[agent] needs [agent.environment], [agent.judge] or both")
     ckpt: CheckpointSection | None = s.get("checkpoint")
     if ckpt is not None:
         steps_mode = ckpt.mode in ("steps", "steps_and_best_eval")
