@@ -31,18 +31,21 @@ def measure(model: str, mode: str, dtype: str, tokens: list[int]) -> dict:
     from retrograd.lora import attach_lora
     from retrograd.memory import rss_bytes
     from retrograd.model.base import load_model
+    from retrograd.model.tokenizer import Tokenizer
 
     torch.set_num_threads(2)
     path = default_model_path() if model == "smollm2" else gemma3_path()
     for qtype in {t.qtype for t in GGUFFile(path).tensors.values()} & set(CODECS):  # compile kernels first:
         codec = CODECS[qtype]  # the baseline then holds torch, inductor and llama.cpp, not the model
         dequantize(torch.zeros(4 * codec.type_size, dtype=torch.uint8), qtype, (4 * codec.block_size,))
+    start = rss_bytes()
+    tokenizer = Tokenizer(path)  # llama.cpp's vocabulary, reported on its own line
     before = rss_bytes()
-    m = load_model(path, weights=mode, compute_dtype=dtype)
+    m = load_model(path, weights=mode, compute_dtype=dtype, tokenizer=tokenizer)
     t = m.transformer
     with torch.no_grad():
         t(torch.zeros(8, dtype=torch.long))  # touch every weight page once (and compile kernels)
-    out = {"file": m.file_size, "rss": rss_bytes() - before, "held": m.weight_bytes}
+    out = {"file": m.file_size, "rss": rss_bytes() - before, "held": m.weight_bytes, "tokenizer": before - start}
     attach_lora(t, ["auto"], rank=8, alpha=16.0, seed=0)
     gen = torch.Generator().manual_seed(0)
     for n in tokens:
@@ -92,12 +95,14 @@ def main() -> None:
                 print(f"measured {model} {mode} {dtype}", file=sys.stderr)
 
     mib = 2**20
-    print("\nResident memory of the loaded base (RSS increase from load + one forward, over a baseline with kernels compiled)")
-    print(f"{'model':<8} {'weights':<10} {'file MiB':>9} {'held MiB':>9} {'RSS MiB':>9} {'RSS/file':>9}")
+    print("\nResident memory of the loaded base weights (RSS increase from load + one forward, over a baseline with")
+    print("kernels compiled and llama.cpp's tokenizer open; the tokenizer's own RSS is the last column)")
+    print(f"{'model':<8} {'weights':<10} {'file MiB':>9} {'held MiB':>9} {'RSS MiB':>9} {'RSS/file':>9} {'tokenizer MiB':>14}")
     for model in models:
         for mode in MODES:
             r = rows[model, mode, "f32"]
-            print(f"{model:<8} {mode:<10} {r['file'] / mib:9.1f} {r['held'] / mib:9.1f} {r['rss'] / mib:9.1f} {r['rss'] / r['file']:9.2f}")
+            print(f"{model:<8} {mode:<10} {r['file'] / mib:9.1f} {r['held'] / mib:9.1f} {r['rss'] / mib:9.1f} "
+                  f"{r['rss'] / r['file']:9.2f} {r['tokenizer'] / mib:14.1f}")
 
     print("\nTokens per second, median of 3-5 (1 sequence; fwd+bwd = rank-8 LoRA on all projections, chunked CE)")
     head = f"{'model':<8} {'weights':<10} {'compute':<7}" + "".join(f" {k + str(n):>11}" for n in tokens for k in ("fwd", "fwdbwd"))

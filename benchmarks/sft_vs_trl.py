@@ -194,10 +194,10 @@ def run_trl() -> dict:
         rss_loaded = rss_bytes()
         with PeakMemory() as peak:
             trainer.train()
-    ids, completion = trainer.train_dataset["input_ids"], trainer.train_dataset["completion_mask"]
+    ids, labels = trainer.train_dataset["input_ids"], trainer.train_dataset["labels"]  # labels: -100 = not trained
     return {
         "ids": ids,
-        "mask": [[bool(c) for c in row] for row in completion],
+        "mask": [[label != -100 for label in row] for row in labels],
         "marks": clock.marks,
         "losses": clock.losses,
         "logged_tokens": clock.tokens,  # TRL's own cumulative count of attention-mask tokens
@@ -211,14 +211,27 @@ def run_trl() -> dict:
 CHILDREN = {"trl": run_trl, "ours-f32": lambda: run_ours("f32"), "ours-bf16": lambda: run_ours("bf16")}
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has spent so far (/proc/stat, all but idle and iowait)."""
+    user, nice, system, idle, iowait, irq, softirq, *_ = map(int, Path("/proc/stat").read_text().split("\n")[0].split()[1:])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def spawn(side: str) -> dict:
+    """Run one side in a fresh interpreter; also measure how busy the rest of the machine was."""
     env = os.environ | {"OMP_NUM_THREADS": str(WORK.threads), "MKL_NUM_THREADS": str(WORK.threads), "TOKENIZERS_PARALLELISM": "false"}
-    load_before = os.getloadavg()[0]
+    t0, busy0, own0 = time.perf_counter(), busy_cpu_seconds(), children_cpu_seconds()
     res = subprocess.run([sys.executable, __file__, "--_child", side], capture_output=True, text=True, env=env)
     if res.returncode:
         sys.exit(f"sft_vs_trl: the {side} run failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+    others = (busy_cpu_seconds() - busy0) - (children_cpu_seconds() - own0)
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    out["load"] = (load_before, os.getloadavg()[0])
+    out["other_cores"] = max(others, 0.0) / (time.perf_counter() - t0)
     return out
 
 
@@ -290,7 +303,7 @@ def summarize(side: str, r: dict, dims: dict[str, int]) -> dict:
         "rss_peak": r["rss_peak"],
         "rss_training_peak": r["rss_training_peak"],
         "rss_loaded": r["rss_loaded"],
-        "load": r["load"],
+        "other_cores": r["other_cores"],
     }
 
 
@@ -339,7 +352,7 @@ def print_report(results: dict[str, dict], probe: dict[str, float]) -> None:
         ("input tokens (20 steps)", lambda s: f"{s['tokens']}", None),
         ("trained tokens (20 steps)", lambda s: f"{s['trained']}", None),
         *((f"loss step {k}", lambda s, k=k: f"{s['losses'][k - 1]:.3f}", None) for k in LOSS_STEPS),
-        ("load avg before/after", lambda s: "{:.2f}/{:.2f}".format(*s["load"]), None),
+        ("other processes, cores", lambda s: f"{s['other_cores']:.2f}", None),
     ]
     ratios = ours if "trl" in results else []
     print(f"{'':<27}" + "".join(f"{s:>11}" for s in sides) + "".join(f"{s + '/trl':>16}" for s in ratios))

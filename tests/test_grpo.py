@@ -75,6 +75,7 @@ def metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_pipeline_on_smollm2_with_the_example_reward_program(tmp_path):
     """The example config's pieces: a reward program over the protocol, KL to the base
     with the adapter off, two epochs, evaluation; every output a user looks at exists."""
@@ -103,6 +104,7 @@ def test_pipeline_on_smollm2_with_the_example_reward_program(tmp_path):
     assert update_rows[0]["policy/logprob_mismatch_abs_mean"] < 0.2
 
 
+@pytest.mark.slow
 def test_mean_reward_of_an_easy_task_rises(tmp_path):
     cfg = write_config(tmp_path, updates=6, training='compute_dtype = "bf16"')
     cfg.write_text(cfg.read_text().replace("group_size = 4", "group_size = 8").replace("max_new_tokens = 12", "max_new_tokens = 16"))
