@@ -194,10 +194,10 @@ def run_trl() -> dict:
         rss_loaded = rss_bytes()
         with PeakMemory() as peak:
             trainer.train()
-    ids, labels = trainer.train_dataset["input_ids"], trainer.train_dataset["labels"]  # labels: -100 = not trained
+    rows = trainer.train_dataset.to_list()  # labels: the ids, with -100 where not trained
     return {
-        "ids": ids,
-        "mask": [[label != -100 for label in row] for row in labels],
+        "ids": [row["input_ids"] for row in rows],
+        "mask": [[label != -100 for label in row["labels"]] for row in rows],
         "marks": clock.marks,
         "losses": clock.losses,
         "logged_tokens": clock.tokens,  # TRL's own cumulative count of attention-mask tokens

@@ -216,3 +216,23 @@ def test_bad_input_is_one_line(tmp_path, case, needle):
     r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
     one_line_error(r, needle)
     assert not (tmp_path / "out/adapter.gguf").exists()
+
+
+def test_profile_reports_phases_memory_and_duty_cycle(tmp_path, tiny_model):
+    cfg = write_config(tmp_path, tiny_model("llama"), reward_name="length", training="max_gpu_duty_cycle = 0.5")
+    r = subprocess.run([*RETROGRAD, "profile", str(cfg), "--group-size", "3", "--prompts", "2"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for expected in ("retrograd training profiler", "workload  updates=1 prompts/upd=2 group=3 epochs/upd=1",
+                     "Initialization", "model load", "llama.cpp sampler", "Phase (all updates)", "generation (llama.cpp decode)",
+                     "optimizer (fwd + bwd + step)", "adapter refresh", "TOTAL training", "Per update",
+                     "Memory (host RSS)", "peak (updates)", "duty cycle requested=0.50: inactive on the CPU", "Summary  loss="):
+        assert expected in out, expected
+    assert not (tmp_path / "out").exists()  # the profile writes only to a scratch folder
+
+
+def test_profile_refuses_other_algorithms(tmp_path):
+    cfg = tmp_path / "sft.toml"
+    cfg.write_text('[run]\nalgorithm = "sft"\n[output]\npath = "a.gguf"\n[sft]\ndata = "d.txt"\n')
+    r = subprocess.run([*RETROGRAD, "profile", str(cfg)], capture_output=True, text=True)
+    one_line_error(r, "profile runs grpo configs")

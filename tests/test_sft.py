@@ -110,6 +110,17 @@ def losses_by_step(metrics: Path) -> dict[int, list[float]]:
     return out
 
 
+def test_metrics_and_tensorboard_events(tmp_path, tiny_model):
+    cfg = write_config(tmp_path, tiny_model("llama"), extra='[metrics]\ntensorboard_dir = "tb"\n[evaluation]\ndata = "train.jsonl"')
+    result = sft.run(load_config(cfg), SilentReporter())
+    rows = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == result.steps and all({"train/lr", "train/tokens_per_second", "system/rss_bytes"} <= set(r) for r in steps)
+    assert any("eval/loss" in r and "eval/perplexity" in r for r in rows)
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 100
+
+
 def test_killed_run_resumes_bit_for_bit(tmp_path, tiny_model):
     base = tiny_model("llama")
     ckpt = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 1'

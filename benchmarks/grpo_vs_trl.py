@@ -1,0 +1,520 @@
+"""GRPO speed and memory: retrograd beside TRL's GRPOTrainer on one identical CPU workload.
+
+    python benchmarks/grpo_vs_trl.py                        # every side (~4 min on 2 cores)
+    python benchmarks/grpo_vs_trl.py --sides ours-auto,decode   # a subset; TRL is needed only for trl*
+
+Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1; 16 prompts, row i user
+"Calculate A + B. Reply with exactly one number." with A, B drawn by random.Random(0); update k
+samples 8 completions for each of prompts 2k and 2k+1 (temperature 1, top_p 1, at most 16 new
+tokens), rewards them with 1/(1+|first integer - (A+B)|) (0 without one, the function `reward`
+below, shared by both sides), and takes one optimizer step (AdamW lr 1e-5 constant, gradient
+clip 1.0, clip range 0.2/0.28, beta 0, Dr. GRPO normalization, unscaled advantages); LoRA rank
+8, alpha 16 on q, k, v, o, gate, up, down; 3 updates; 2 threads.
+TRL: transformers dequantizes the GGUF to float32, PEFT LoRA, GRPOTrainer with num_generations 8,
+generation batch 16, max_completion_length 16, fp32, no vLLM, sampling by transformers'
+generate; side "trl" keeps GRPOConfig's default gradient checkpointing, "trl-nogc" turns it off.
+Ours: a [run] algorithm = "grpo" TOML through retrograd.recipes.grpo.run, compute dtype "auto"
+(bf16 on a CPU with native bf16) and "f32"; rollouts from llama.cpp with the live adapter.
+Side "decode": our sampler alone on the first two prompts (16 sequences), generation tok/s
+with a trained-looking rank-8 adapter vs none, and the adapter refresh time.
+
+Each side runs in a fresh subprocess, so its peak RSS (ru_maxrss: model load included) is its own.
+Definitions:
+  update s      wall time of one whole update: sampling, rewards, scoring, the optimizer step and
+                (ours) the adapter refresh; TRL: from one optimizer step's end to the next.
+  phases        TRL: generate (transformers' generate), reward, forward (compute_loss), backward
+                (accelerator.backward), optimizer (clip + step); ours: the recipe's own timers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import random
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
+SIDES = ("trl", "trl-nogc", "ours-auto", "ours-f32", "decode")
+DEFAULT_SIDES = SIDES
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+QUESTION = re.compile(r"Calculate (\d+) \+ (\d+)\.")
+INTEGER = re.compile(r"-?\d+")
+GOALS = {"speedup": 5.0, "rss_fraction": 0.3, "decode_fraction": 0.85, "refresh_ms": 50.0}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int = 16
+    prompts_per_update: int = 2
+    group_size: int = 8
+    updates: int = 3
+    max_new_tokens: int = 16
+    lr: float = 1e-5
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    rank: int = 8
+    alpha: float = 16.0
+    seed: int = 0
+    threads: int = 2
+
+    def questions(self) -> list[str]:
+        rng = random.Random(self.seed)
+        rows = []
+        for _ in range(self.prompts):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            rows.append(f"Calculate {a} + {b}. Reply with exactly one number.")
+        return rows
+
+
+WORK = Workload()
+
+
+def reward(prompts: list[str], completions: list[str]) -> list[float]:
+    """1/(1+|first integer - (A+B)|), 0 without an integer: ours loads it as
+    reward_function = "<this file>:reward", TRL calls it through trl_reward."""
+    out = []
+    for prompt, completion in zip(prompts, completions):
+        a, b = map(int, QUESTION.search(prompt).groups())
+        answer = INTEGER.search(completion)
+        out.append(0.0 if answer is None else 1.0 / (1.0 + abs(int(answer.group()) - (a + b))))
+    return out
+
+
+def trl_reward(prompts, completions, **_) -> list[float]:
+    """TRL passes conversations: the last user message and the assistant reply."""
+    return reward([p[-1]["content"] for p in prompts], [c[0]["content"] for c in completions])
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def write_config(folder: Path, compute_dtype: str) -> Path:
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in WORK.questions()))
+    config = folder / "grpo.toml"
+    config.write_text(f"""
+[run]
+algorithm = "grpo"
+
+[output]
+path = "{folder / 'out' / 'adapter.gguf'}"
+
+[lora]
+rank = {WORK.rank}
+alpha = {WORK.alpha}
+
+[training]
+ctx = 128
+micro_batch = 512   # tokens: one micro-batch holds an update's 16 completions and 2 prompts
+lr = {WORK.lr}
+max_grad_norm = {WORK.max_grad_norm}
+threads = {WORK.threads}
+compute_dtype = "{compute_dtype}"
+
+[grpo]
+prompts = "{prompts}"
+reward_function = "{Path(__file__).resolve()}:reward"
+updates = {WORK.updates}
+prompts_per_update = {WORK.prompts_per_update}
+group_size = {WORK.group_size}
+grpo_epochs = 1
+clip_range_low = {WORK.clip_low}
+clip_range_high = {WORK.clip_high}
+kl_coefficient = 0.0
+prompt_order = "sequential"
+
+[grpo.sampling]
+max_new_tokens = {WORK.max_new_tokens}
+temperature = 1.0
+top_p = 1.0
+""")
+    return config
+
+
+def run_ours(dtype: str) -> dict:
+    """The recipe as `retrograd train` runs it, on the workload's TOML."""
+    import torch
+
+    from retrograd.config import load_config
+    from retrograd.data import load_prompts
+    from retrograd.device import resolve_device
+    from retrograd.recipes import grpo
+    from retrograd.recipes.common import compute_dtype, open_chat
+    from retrograd.training.report import SilentReporter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(write_config(Path(tmp), dtype))
+        result = grpo.run(cfg, SilentReporter())
+        prompts = load_prompts(cfg.grpo.prompts, open_chat(cfg))
+    updates = []
+    for r in result.records:
+        m, t = r.metrics, r.timing
+        updates.append({
+            "seconds": m["timing/update_seconds"],
+            "phases": {
+                "generation": t["generation"], "reward": t["reward"],
+                "no-grad scoring": t["behavior_scoring"] + t["reference"],
+                "train total": t["optimizer"], "adapter refresh": t["adapter_refresh"],
+            },
+            "tokens": m["completions/length_mean"] * WORK.prompts_per_update * WORK.group_size,
+            "reward": m["reward/mean"],
+            "refresh_s": m.get("sampler/adapter_refresh_seconds"),
+        })
+    return {
+        "dtype": compute_dtype(cfg.training.compute_dtype, resolve_device(cfg.model.device)),
+        "torch_threads": torch.get_num_threads(),
+        "prompt_ids": [list(p.ids) for p in prompts],
+        "updates": updates,
+        "init": {k: v[0] for k, v in result.init_timing.items()},
+        "rss_loaded": result.memory["after_load"],
+        "rss_training_peak": result.memory["peak"],
+        "rss_peak": peak_rss_bytes(),
+    }
+
+
+def sibling(name: str):
+    """A module beside this file (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_decode(repeats: int = 5) -> dict:
+    """Our sampler on the first update's requests, with the run's options, alternating no
+    adapter and a trained-looking one (benchmarks/sampler.py's helpers)."""
+    from retrograd.config import load_config
+    from retrograd.data import load_prompts
+    from retrograd.recipes.common import open_chat
+    from retrograd.recipes.grpo import sampler_options
+    from retrograd.sampler import GroupRequest, Sampler, Sampling
+
+    bench = sibling("sampler")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(write_config(Path(tmp), "auto"))
+        prompts = load_prompts(cfg.grpo.prompts, open_chat(cfg))[: WORK.prompts_per_update]
+    options = sampler_options(cfg)
+    sampling = Sampling(WORK.max_new_tokens, temperature=1.0, top_p=1.0)
+    g = WORK.group_size
+    requests = [GroupRequest(p.ids, list(range(i * g, (i + 1) * g)), sampling) for i, p in enumerate(prompts)]
+    adapter = bench.trained_adapter(None, WORK.rank)
+    runs: dict[str, list] = {"base": [], "adapter": []}
+    with Sampler(None, options) as sampler:
+        sampler.generate(requests)  # warm-up
+        refreshes = []
+        for _ in range(repeats):  # alternating, so that load from other processes hits both alike
+            sampler.set_adapter(None)
+            runs["base"].append(bench.timed_run(sampler, requests))
+            refreshes.append(sampler.set_adapter(adapter))
+            runs["adapter"].append(bench.timed_run(sampler, requests))
+        refreshes += [sampler.set_adapter(adapter) for _ in range(10 - len(refreshes))]
+    return {
+        "options": asdict(options),
+        "base_tok_s": statistics.median(r[0] for r in runs["base"]),
+        "adapter_tok_s": statistics.median(r[0] for r in runs["adapter"]),
+        "tokens": {k: sum(r[1] for r in v) for k, v in runs.items()},
+        "refresh_ms": {part: 1000 * statistics.median(getattr(r, part) for r in refreshes) for part in ("write_s", "init_s", "set_s", "total_s")},
+    }
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+def run_trl(gradient_checkpointing: bool) -> dict:
+    """TRL's GRPOTrainer, its phases timed by wrapping the trainer's own methods."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from retrograd.bundled import default_model_path
+    from retrograd.memory import PeakMemory, rss_bytes
+
+    spent: dict[str, float] = {}
+
+    def timed(phase: str, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] = spent.get(phase, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks, self.phases, self.logs = [], [], []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.optimizer_t0 = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            spent["optimizer"] = spent.get("optimizer", 0.0) + time.perf_counter() - self.optimizer_t0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+            self.phases.append(dict(spent))
+            spent.clear()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.logs.append(dict(logs))
+
+    torch.set_num_threads(WORK.threads)
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    dequantized = GgufConfig(dequantize=True)  # a plain float32 model: transformers trains no GGUF-quantized one
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, quantization_config=dequantized)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in WORK.questions()])
+    lora = LoraConfig(r=WORK.rank, lora_alpha=WORK.alpha, lora_dropout=0.0, target_modules=HF_TARGETS, task_type="CAUSAL_LM")
+    batch = WORK.prompts_per_update * WORK.group_size
+    clock = Clock()
+    prompt_ids: list[list[int]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp, per_device_train_batch_size=batch, gradient_accumulation_steps=1, generation_batch_size=batch,
+            num_generations=WORK.group_size, max_completion_length=WORK.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+            beta=0.0, num_iterations=1, epsilon=WORK.clip_low, epsilon_high=WORK.clip_high, loss_type="dr_grpo",
+            scale_rewards="none", learning_rate=WORK.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=WORK.max_grad_norm, optim="adamw_torch", max_steps=WORK.updates, seed=WORK.seed,
+            shuffle_dataset=False, use_vllm=False, bf16=False, fp16=False, use_cpu=True,
+            gradient_checkpointing=gradient_checkpointing, logging_steps=1, save_strategy="no", report_to="none",
+            disable_tqdm=True, dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward], args=args, train_dataset=dataset,
+                              processing_class=tokenizer, peft_config=lora, callbacks=[clock])
+        generate = trainer._generate_single_turn
+
+        def generate_and_record(ids, *args, **kwargs):
+            prompt_ids.extend(list(p) for p in ids)
+            return generate(ids, *args, **kwargs)
+
+        trainer._generate_single_turn = timed("generation", generate_and_record)
+        trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+        trainer._generate_and_score_completions = timed("rollout", trainer._generate_and_score_completions)
+        trainer.compute_loss = timed("train forward", trainer.compute_loss)
+        trainer.accelerator.backward = timed("train backward", trainer.accelerator.backward)
+        rss_loaded = rss_bytes()
+        with PeakMemory() as peak:
+            trainer.train()
+    marks = clock.marks
+    assert len(marks) == WORK.updates + 1 and len(clock.logs) == WORK.updates, "one optimizer step and one log per update"
+    updates = []
+    for k, (phases, logs) in enumerate(zip(clock.phases, clock.logs)):
+        train = phases["train forward"] + phases["train backward"] + phases["optimizer"]
+        updates.append({
+            "seconds": marks[k + 1] - marks[k],
+            "phases": {
+                "generation": phases["generation"], "reward": phases["reward"],
+                "rollout other": phases["rollout"] - phases["generation"] - phases["reward"],
+                "train forward": phases["train forward"], "train backward": phases["train backward"],
+                "optimizer step": phases["optimizer"], "train total": train,
+            },
+            "tokens": logs["completions/mean_length"] * batch,
+            "reward": logs["reward"],
+        })
+    return {
+        "gradient_checkpointing": gradient_checkpointing,
+        "torch_threads": torch.get_num_threads(),
+        "prompt_ids": prompt_ids[:: WORK.group_size],  # one row per group, in sampling order
+        "updates": updates,
+        "rss_loaded": rss_loaded,
+        "rss_training_peak": peak.peak_rss,
+        "rss_peak": peak_rss_bytes(),
+        "versions": {p: importlib.import_module(p).__version__ for p in TRL_PACKAGES},
+    }
+
+
+CHILDREN = {
+    "trl": lambda: run_trl(gradient_checkpointing=True),
+    "trl-nogc": lambda: run_trl(gradient_checkpointing=False),
+    "ours-auto": lambda: run_ours("auto"),
+    "ours-f32": lambda: run_ours("f32"),
+    "decode": run_decode,
+}
+
+
+def spawn(side: str) -> dict:
+    env = os.environ | {"OMP_NUM_THREADS": str(WORK.threads), "MKL_NUM_THREADS": str(WORK.threads), "TOKENIZERS_PARALLELISM": "false"}
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, __file__, "--_child", side], capture_output=True, text=True, env=env)
+    if res.returncode:
+        sys.exit(f"grpo_vs_trl: the {side} run failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out["load"] = (load_before, os.getloadavg()[0])
+    out["wall"] = time.perf_counter() - t0
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+PHASE_ROWS = ("generation", "reward", "rollout other", "no-grad scoring", "train forward", "train backward",
+              "optimizer step", "train total", "adapter refresh")
+
+
+def summarize(r: dict) -> dict:
+    updates = r["updates"]
+    seconds = [u["seconds"] for u in updates]
+    phases = {p: statistics.mean(u["phases"][p] for u in updates) for p in PHASE_ROWS if p in updates[0]["phases"]}
+    parts = sum(v for p, v in phases.items() if p not in ("train forward", "train backward", "optimizer step"))
+    phases["other"] = statistics.mean(seconds) - parts
+    return {
+        "median_s": statistics.median(seconds),
+        "seconds": seconds,
+        "phases": phases,
+        "tokens": statistics.mean(u["tokens"] for u in updates),
+        "gen_tok_s": [u["tokens"] / u["phases"]["generation"] for u in updates],
+        "reward": [u["reward"] for u in updates],
+        "rss_peak": r["rss_peak"],
+        "rss_training_peak": r["rss_training_peak"],
+        "rss_loaded": r["rss_loaded"],
+        "load": r["load"],
+    }
+
+
+def print_table(results: dict[str, dict]) -> None:
+    gib = 2**30
+    sides = list(results)
+    trl = [s for s in sides if s.startswith("trl")]
+    ours = [s for s in sides if s.startswith("ours")]
+    pairs = [(o, t) for t in trl for o in ours]
+    fmt_s = lambda v: f"{v:.2f}"  # noqa: E731
+    rows = [  # label, value of a summary, format, ratio ("speedup": TRL/ours, "fraction": ours/TRL, None)
+        ("update s, median of 3", lambda s: s["median_s"], fmt_s, "speedup"),
+        *((f"update {k + 1} s", lambda s, k=k: s["seconds"][k], fmt_s, "speedup") for k in range(WORK.updates)),
+        *((f"  {p} s/update", lambda s, p=p: s["phases"].get(p), fmt_s, "speedup" if p in ("generation", "train total") else None)
+          for p in (*PHASE_ROWS, "other")),
+        ("generated tokens/update", lambda s: s["tokens"], lambda v: f"{v:.0f}", None),
+        ("generation tok/s (median)", lambda s: statistics.median(s["gen_tok_s"]), lambda v: f"{v:.0f}", None),
+        ("mean reward per update", lambda s: s["reward"], lambda v: "/".join(f"{x:.2f}" for x in v), None),
+        ("peak RSS GiB (process)", lambda s: s["rss_peak"] / gib, fmt_s, "fraction"),
+        ("peak RSS GiB (updates)", lambda s: s["rss_training_peak"] / gib, fmt_s, "fraction"),
+        ("RSS GiB before update 1", lambda s: s["rss_loaded"] / gib, fmt_s, None),
+        ("load avg before/after", lambda s: s["load"], lambda v: "{:.2f}/{:.2f}".format(*v), None),
+    ]
+    width = 15
+    print(f"{'':<28}" + "".join(f"{s:>{width}}" for s in sides) + "".join(f"{o + '/' + t:>{width + 4}}" for o, t in pairs))
+    for label, value, fmt, ratio in rows:
+        cells = [value(results[s]) for s in sides]
+        line = f"{label:<28}" + "".join(f"{'-' if v is None else fmt(v):>{width}}" for v in cells)
+        for o, t in pairs:
+            a, b = value(results[o]), value(results[t])
+            cell = "" if ratio is None or a is None or b is None else f"{b / a:.1f}x faster" if ratio == "speedup" else f"{a / b:.2f}x"
+            line += f"{cell:>{width + 4}}"
+        print(line)
+    print("(ours: 'train total' = forward + backward + step under the optimizer timer; update 1 samples without "
+          "the adapter, whose B is still zero)")
+
+
+def print_decode(d: dict, ours: dict[str, dict]) -> None:
+    o = d["options"]
+    print(f"\nrollout generation, our sampler alone: {WORK.prompts_per_update} prompts x group {WORK.group_size}, "
+          f"{WORK.max_new_tokens} new tokens, ctx {o['n_ctx']}, kv {o['kv_dtype']}, {o['n_threads'] or 'all'} threads, "
+          f"median of 5 (prefill + decode + sampling)")
+    print(f"  llama.cpp, no adapter          {d['base_tok_s']:7.1f} tok/s")
+    print(f"  live adapter (r 8, 7 families) {d['adapter_tok_s']:7.1f} tok/s   {d['adapter_tok_s'] / d['base_tok_s']:.1%} of no adapter")
+    ms = d["refresh_ms"]
+    print(f"  adapter refresh, median of 10  {ms['total_s']:7.1f} ms (write {ms['write_s']:.1f}, init {ms['init_s']:.1f}, set {ms['set_s']:.1f})")
+    for side, r in ours.items():
+        in_run = [1000 * u["refresh_s"] for u in r["updates"] if u["refresh_s"] is not None]
+        print(f"  {side} refresh in the run     " + ", ".join(f"{x:.1f}" for x in in_run) + " ms")
+
+
+def print_goals(results: dict[str, dict], decode: dict | None) -> None:
+    trl = [s for s in results if s.startswith("trl")]
+    ours = [s for s in results if s.startswith("ours")]
+    print("\ngoals")
+    for o in ours:
+        for t in trl:
+            speedup = results[t]["median_s"] / results[o]["median_s"]
+            rss = results[o]["rss_peak"] / results[t]["rss_peak"]
+            print(f"  {o} vs {t}: {speedup:.1f}x faster per update (goal >= {GOALS['speedup']:.0f}x: "
+                  f"{'met' if speedup >= GOALS['speedup'] else 'MISSED'}), peak RSS {rss:.2f}x "
+                  f"(goal <= {GOALS['rss_fraction']}x: {'met' if rss <= GOALS['rss_fraction'] else 'MISSED'})")
+    if decode:
+        share = decode["adapter_tok_s"] / decode["base_tok_s"]
+        refresh = decode["refresh_ms"]["total_s"]
+        print(f"  decode with the live adapter {share:.0%} of llama.cpp without (goal >= {GOALS['decode_fraction']:.0%}: "
+              f"{'met' if share >= GOALS['decode_fraction'] else 'MISSED'}); refresh {refresh:.1f} ms "
+              f"(goal <= {GOALS['refresh_ms']:.0f} ms: {'met' if refresh <= GOALS['refresh_ms'] else 'MISSED'})")
+
+
+def check_prompts(raw: dict[str, dict]) -> None:
+    """Both sides feed the model the same prompt ids, in the workload's order."""
+    trl = [s for s in raw if s.startswith("trl")]
+    ours = [s for s in raw if s.startswith("ours")]
+    for t in trl:
+        sampled = raw[t]["prompt_ids"]
+        for o in ours:
+            expected = raw[o]["prompt_ids"][: len(sampled)]
+            same = sampled == expected
+            print(f"{t} sampled prompts 0..{len(sampled) - 1} in order with the same ids as {o}: {'yes' if same else 'NO'}")
+            if not same:
+                print(f"  TRL {sampled[0]}\n  ours {expected[0]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sides", default=",".join(DEFAULT_SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
+    ap.add_argument("--_child", choices=SIDES, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._child:
+        print(json.dumps(CHILDREN[args._child]()))
+        return
+    sides = args.sides.split(",")
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        sys.exit(f"grpo_vs_trl: --sides {args.sides}: unknown {', '.join(unknown)}; expected a subset of {', '.join(SIDES)}")
+    missing = [p for p in TRL_PACKAGES if importlib.util.find_spec(p) is None]
+    if any(s.startswith("trl") for s in sides) and missing:
+        print(f"grpo_vs_trl: missing {', '.join(missing)} (benchmark-only): pip install {' '.join(missing)}", file=sys.stderr)
+        sys.exit(2)
+
+    print(f"workload: {asdict(WORK)}; load average at start {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    raw = {}
+    for side in sides:
+        raw[side] = spawn(side)
+        print(f"measured {side} in {raw[side]['wall']:.0f} s, load {raw[side]['load'][0]:.2f} -> {raw[side]['load'][1]:.2f}", file=sys.stderr)
+    decode = raw.pop("decode", None)
+    trained = {s: r for s, r in raw.items()}
+    for side, r in trained.items():
+        extra = f"compute {r['dtype']}" if "dtype" in r else f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}"
+        print(f"{side}: {extra}, {r['torch_threads']} torch threads")
+    if any(s.startswith("trl") for s in trained):
+        first = next(r for s, r in trained.items() if s.startswith("trl"))
+        print("TRL " + ", ".join(f"{p} {v}" for p, v in first["versions"].items()))
+        check_prompts(trained)
+    for side, r in trained.items():
+        if "init" in r:
+            print(f"{side} start-up: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["init"].items()))
+    if trained:
+        print()
+        print_table({s: summarize(r) for s, r in trained.items()})
+    if decode:
+        print_decode(decode, {s: r for s, r in trained.items() if s.startswith("ours")})
+    print_goals({s: summarize(r) for s, r in trained.items()}, decode)
+
+
+if __name__ == "__main__":
+    main()

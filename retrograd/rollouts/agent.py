@@ -1,0 +1,435 @@
+"""Multi-turn, tool-using rollouts for agentic GRPO (notes §4.6, §5).
+
+Trajectories run in lockstep waves on the sampler: each turn samples one assistant turn
+for every live trajectory at once, then runs their tool calls (each trajectory in its own
+sandbox, all trajectories in parallel threads), then appends the observations. A
+trajectory ends when:
+
+    no_tool_call         a turn without a call (end_on_no_tool_call; otherwise the turn gets
+                         an error observation and the trajectory goes on)
+    submitted            a tool said done (`submit`, a json exec tool)
+    max_turns            the last allowed turn still called tools           (truncated)
+    max_trajectory_tokens  no room for another turn                          (truncated)
+    max_rollout_secs     the wall budget ran out (checked at every stage)   (truncated)
+    max_failed_turns     that many turns in a row without a parsable call   (truncated)
+    sandbox_broken       the sandbox or a tool broke; this trajectory only  (failed)
+
+Rendering: the conversation goes through the model's chat template with
+retrograd.data's tool style (the template renders the catalogue and `tool` messages when
+it passes the native probe, else the Hermes `<tool_call>` convention of data/tools.py),
+exactly as SFT tool records are rendered. Calls are parsed with the same convention. The
+token sequence grows incrementally: the policy's own sampled tokens are kept as they are
+(never re-rendered or re-tokenized), and after each turn only the text the template adds
+after them (its end-of-turn, the observations, the next assistant header) is tokenized
+and appended. Before that, the new render must start with the previous render plus the
+turn's exact text; a template that rewrites earlier turns is refused with an error. So
+the sampler's KV cache is extended between turns, never re-prefilled, and `mask` marks
+exactly the sampled tokens.
+
+After the last turn, `verify` runs in the trajectory's sandbox (unless it broke or ran out
+of time) for the terminal reward; json tools' rewards are step rewards, each starting at
+the first token after the turn that earned it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from retrograd.data import ChatFormat
+from retrograd.data import tools as hermes
+from retrograd.data.chat import tool_style
+from retrograd.data.messages import Conversation
+from retrograd.data.tools import ERROR_PREFIX, ToolCall
+from retrograd.errors import DataError
+from retrograd.objectives.advantages import add_intermediate_returns
+from retrograd.rollouts.sandbox import EnvironmentOptions, Sandbox, SandboxBroken, SandboxPool
+from retrograd.rollouts.scenarios import Scenario
+from retrograd.rollouts.tools import ToolResult
+from retrograd.sampler import Sampling
+
+ENDED = ("no_tool_call", "submitted")
+TRUNCATED = ("max_turns", "max_trajectory_tokens", "max_rollout_secs", "max_failed_turns")
+FAILED = ("sandbox_broken",)
+NO_CALL = ("no tool call found; call a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
+           "or call submit when you are done")
+NO_TOOLS = "error: this run has no tools"
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    max_turns: int
+    max_new_tokens_per_turn: int
+    max_trajectory_tokens: int  # prompt included
+    max_rollout_secs: float  # 0: no wall budget
+    end_on_no_tool_call: bool = True
+    max_failed_turns: int = 0  # 0: never cut
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_agent(cls, agent, ctx: int) -> RolloutLimits:
+        """From [agent]; max_trajectory_tokens defaults to training.ctx."""
+        return cls(agent.max_turns, agent.max_new_tokens_per_turn, agent.max_trajectory_tokens or ctx,
+                   agent.max_rollout_secs, agent.end_on_no_tool_call, agent.max_failed_turns, agent.temperature,
+                   agent.top_p)
+
+    @property
+    def budget_tokens(self) -> int:
+        """The loss denominator of notes §4.6: what one trajectory may sample at most."""
+        return min(self.max_turns * self.max_new_tokens_per_turn, self.max_trajectory_tokens)
+
+
+@dataclass(frozen=True)
+class Request:
+    scenario: Scenario
+    group: int
+    member: int
+    seed: int
+
+
+@dataclass
+class ToolStep:
+    name: str
+    arguments: dict
+    content: str  # what the model reads (without the error prefix)
+    is_error: bool
+    reward: float | None
+
+
+@dataclass
+class Turn:
+    text: str  # the policy's sampled bytes as text, without a final end-of-generation token
+    n_tokens: int
+    finish: str  # "eos" | "length" (max_new_tokens_per_turn)
+    prefilled: int  # context tokens the sampler decoded for this turn
+    reused: int  # context tokens it found in the KV cache
+    calls: list[ToolStep] = field(default_factory=list)
+    note: str | None = None  # the error observation of a turn without a valid call
+
+
+@dataclass
+class Trajectory:
+    scenario: Scenario
+    group: int
+    member: int
+    seed: int
+    prompt: tuple[int, ...]  # the rendered scenario up to the first assistant header (shared by the group)
+    tokens: list[int] = field(default_factory=list)  # after the prompt, ending with the last sampled token
+    mask: list[bool] = field(default_factory=list)  # True where the policy sampled the token
+    logprobs: list[float] = field(default_factory=list)  # the sampler's, one per sampled token
+    turns: list[Turn] = field(default_factory=list)
+    step_rewards: list[tuple[int, float]] = field(default_factory=list)  # (index in tokens where it starts, reward)
+    stop: str | None = None
+    terminal_reward: float | None = None  # verify's (or, set by the recipe, the judge's)
+    seconds: float = 0.0
+    # decided when the group is scored
+    reward: float = 0.0
+    live: bool = False
+    advantage: float = 0.0
+    skip_reason: str | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.stop in TRUNCATED
+
+    @property
+    def failed(self) -> bool:
+        return self.stop in FAILED
+
+    @property
+    def completion(self) -> str:
+        """What a judge reads: the assistant turns' text without end-of-generation tokens."""
+        return "\n".join(turn.text for turn in self.turns)
+
+    def token_advantages(self) -> torch.Tensor:
+        """[] the group advantage, or [n_sampled] with the intermediate returns of the
+        step rewards added (notes §4.6) when there are any."""
+        if not self.step_rewards:
+            return torch.tensor(self.advantage)
+        mask = torch.tensor(self.mask)[None]  # [1, T]
+        starts = torch.tensor([s for s, _ in self.step_rewards])[None]  # [1, S]
+        rewards = torch.tensor([r for _, r in self.step_rewards], dtype=torch.float64)[None]  # [1, S]
+        per_token = add_intermediate_returns(torch.tensor([self.advantage], dtype=torch.float64), mask, starts, rewards,
+                                             torch.ones_like(starts, dtype=torch.bool))  # [1, T]
+        return per_token[mask].float()  # [n_sampled]
+
+
+@dataclass
+class _Live:
+    """A trajectory while it runs: its sandbox, sampler conversation and chat state."""
+
+    trajectory: Trajectory
+    sandbox: Sandbox | None
+    conversation: object  # retrograd.sampler.Conversation
+    messages: list[dict]
+    calls: list[tuple[ToolCall, ...]]  # per assistant turn, as data.messages.Conversation holds them
+    rendered: str  # the conversation's render up to the open assistant header
+    started: float
+    failed_turns: int = 0
+    content: str = ""  # this turn's text as the assistant message holds it (no end-of-generation token)
+    pending: list[ToolCall] = field(default_factory=list)  # this turn's parsed calls
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return [*self.trajectory.prompt, *self.trajectory.tokens]
+
+
+def render(chat: ChatFormat, scenario: Scenario, messages: list[dict], calls: list[tuple[ToolCall, ...]]) -> str:
+    """The conversation so far, up to an open assistant header, as retrograd.data renders
+    tool records: the catalogue and observations through the template when it passes the
+    native probe, else with the Hermes convention."""
+    specs = tuple(scenario.toolset.specs()) if scenario.toolset else ()
+    conversation = Conversation(tuple(messages), specs, tuple(calls))
+    rendered, tools = tool_style(chat, conversation).messages(conversation)
+    return chat.render(rendered, tools=tools, add_generation_prompt=True, where=scenario.source)
+
+
+def scenario_prompt(chat: ChatFormat, scenario: Scenario) -> tuple[str, tuple[int, ...]]:
+    """The scenario rendered up to the first assistant header, and its tokens."""
+    text = render(chat, scenario, scenario.messages(), [])
+    ids, _ = chat.tokenize(text, scenario.source)
+    return text, tuple(ids)
+
+
+def check_prompt(chat: ChatFormat, scenario: Scenario, limits: RolloutLimits) -> None:
+    """Refuses, at start-up, a scenario that leaves no room for a single sampled token."""
+    n = len(scenario_prompt(chat, scenario)[1])
+    if n + 1 > limits.max_trajectory_tokens:
+        raise DataError(f"{scenario.source}: scenario {scenario.id!r} renders to {n} tokens with its tool catalogue, "
+                        f"leaving no room to answer within {limits.max_trajectory_tokens} tokens "
+                        "(agent.max_trajectory_tokens, else training.ctx)")
+
+
+class AgentRollouts:
+    """Collects trajectories. `sampler` needs `open(seeds)` and `generate_turn(turns,
+    sampling)` (retrograd.sampler.Sampler); `pool` is None for a run without an environment
+    (no tools). `reuse_kv=False` forgets the KV cache before every turn (benchmarks only)."""
+
+    def __init__(self, sampler, chat: ChatFormat, pool: SandboxPool | None, options: EnvironmentOptions | None,
+                 limits: RolloutLimits, *, concurrency: int, reuse_kv: bool = True):
+        self.sampler, self.chat, self.pool, self.options, self.limits = sampler, chat, pool, options, limits
+        self.concurrency = concurrency if pool is None else min(concurrency, pool.options.max_live)
+        self.reuse_kv = reuse_kv
+        self._prompts: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    # ---------------------------------------------------------------- prompts
+
+    def prompt(self, scenario: Scenario) -> tuple[int, ...]:
+        if scenario.source not in self._prompts:
+            self._prompts[scenario.source] = scenario_prompt(self.chat, scenario)
+        return self._prompts[scenario.source][1]
+
+    # ---------------------------------------------------------------- collection
+
+    def collect(self, requests: Sequence[Request], timing: dict) -> list[Trajectory]:
+        """Trajectories in the order of `requests`, in waves of `concurrency`. `timing` gains
+        environment (acquire, setup, release), generation, tools and reward (verify) seconds."""
+        out = []
+        for start in range(0, len(requests), self.concurrency):
+            out += self._wave(requests[start:start + self.concurrency], timing)
+        return out
+
+    def _wave(self, requests: Sequence[Request], timing: dict) -> list[Trajectory]:
+        trajectories = [Trajectory(r.scenario, r.group, r.member, r.seed, self.prompt(r.scenario)) for r in requests]
+        with ThreadPoolExecutor(max_workers=len(requests), thread_name_prefix="retrograd-agent") as threads:
+            sandboxes = _timed(timing, "environment", lambda: list(threads.map(self._open_sandbox, trajectories)))
+            conversations = self.sampler.open([t.seed for t in trajectories])
+            started = time.monotonic()
+            lives = [
+                _Live(t, box, conv, t.scenario.messages(), [], self._prompts[t.scenario.source][0], started)
+                for t, box, conv in zip(trajectories, sandboxes, conversations)
+            ]
+            try:
+                running = [live for live in lives if live.trajectory.stop is None]
+                while running:
+                    self._check_clock(running)
+                    running = [live for live in running if live.trajectory.stop is None]
+                    if not running:
+                        break
+                    _timed(timing, "generation", lambda: self._sample(running))
+                    _timed(timing, "tools", lambda: list(threads.map(self._act, running)))
+                    self._check_clock(running)
+                    for live in running:
+                        self._continue(live)
+                    running = [live for live in running if live.trajectory.stop is None]
+                _timed(timing, "reward", lambda: list(threads.map(self._verify, lives)))
+            finally:
+                for live in lives:
+                    live.conversation.close()
+                    live.trajectory.seconds = time.monotonic() - live.started
+                _timed(timing, "environment", lambda: list(threads.map(_release, sandboxes)))
+        for t in trajectories:
+            while t.tokens and not t.mask[-1]:  # nothing after the last sampled token is trained
+                t.tokens.pop()
+                t.mask.pop()
+        return trajectories
+
+    def _open_sandbox(self, trajectory: Trajectory) -> Sandbox | None:
+        """A prepared sandbox; a broken one costs this trajectory only (a failing setup,
+        like an unavailable daemon, stops the run: SandboxError)."""
+        if self.pool is None:
+            return None
+        sandbox = self.pool.acquire()
+        try:
+            if trajectory.scenario.env is not None:
+                sandbox.prepare(trajectory.scenario.env, self.options.setup_timeout_secs, trajectory.scenario.source)
+        except SandboxBroken:
+            trajectory.stop = "sandbox_broken"
+        except BaseException:
+            sandbox.close()
+            raise
+        return sandbox
+
+    def _check_clock(self, running: list[_Live]) -> None:
+        budget = self.limits.max_rollout_secs
+        for live in running:
+            if budget and live.trajectory.stop is None and time.monotonic() - live.started > budget:
+                live.trajectory.stop = "max_rollout_secs"
+
+    # ---------------------------------------------------------------- one turn
+
+    def _sample(self, running: list[_Live]) -> None:
+        """One assistant turn for every running trajectory; those with the same token budget
+        share a generate_turn call (all of them, until one nears max_trajectory_tokens)."""
+        if not self.reuse_kv:
+            forget_kv_cache(self.sampler)
+        by_budget: dict[int, list[_Live]] = defaultdict(list)
+        for live in running:
+            room = self.limits.max_trajectory_tokens - len(live.context)
+            by_budget[min(self.limits.max_new_tokens_per_turn, room)].append(live)
+        for budget, lives in by_budget.items():
+            sampling = Sampling(budget, self.limits.temperature, self.limits.top_p)
+            completions = self.sampler.generate_turn([(live.conversation, live.context) for live in lives], sampling)
+            for live, completion in zip(lives, completions):
+                self._take_turn(live, completion)
+
+    def _take_turn(self, live: _Live, completion) -> None:
+        t = live.trajectory
+        tokens = list(completion.tokens)
+        ends = completion.finish == "eos"
+        body = tokens[:-1] if ends else tokens
+        content = self._text(body)
+        t.tokens += tokens
+        t.mask += [True] * len(tokens)
+        t.logprobs += list(completion.logprobs)
+        t.turns.append(Turn(content, len(tokens), completion.finish, completion.prefilled, completion.reused))
+        live.content = content
+        live.messages.append({"role": "assistant", "content": content})
+        parsed = hermes.parse_calls(content)
+        if isinstance(parsed, str):
+            t.turns[-1].note = ERROR_PREFIX + parsed
+            parsed = []
+        first_id = sum(len(calls) for calls in live.calls)
+        live.pending = [ToolCall(f"call_{first_id + i}", name, arguments) for i, (name, arguments) in enumerate(parsed)]
+        live.calls.append(tuple(live.pending))
+        if not live.pending and t.turns[-1].note is None:
+            if self.limits.end_on_no_tool_call:
+                t.stop = "no_tool_call"
+            else:
+                t.turns[-1].note = ERROR_PREFIX + NO_CALL
+        live.failed_turns = 0 if live.pending else live.failed_turns + 1
+
+    def _text(self, tokens: list[int]) -> str:
+        return b"".join(self.chat.piece(token) for token in tokens).decode("utf-8", errors="replace")
+
+    def _act(self, live: _Live) -> None:
+        """This turn's calls, in order, in the trajectory's sandbox; a `done` skips the rest."""
+        t = live.trajectory
+        if t.stop is not None:
+            return
+        for call in live.pending:
+            result = self._call(live, call)
+            t.turns[-1].calls.append(ToolStep(call.name, call.arguments, result.content, result.is_error, result.reward))
+            if result.broken:
+                t.stop = "sandbox_broken"
+                return
+            if result.reward is not None:
+                t.step_rewards.append((len(t.tokens), result.reward))
+            if result.done:
+                live.done = True
+                return
+
+    def _call(self, live: _Live, call: ToolCall) -> ToolResult:
+        toolset = live.trajectory.scenario.toolset
+        if toolset is None:
+            return ToolResult(NO_TOOLS, is_error=True)
+        return toolset.call(live.sandbox, call.name, call.arguments)
+
+    def _continue(self, live: _Live) -> None:
+        """Ends the trajectory, or appends the template's text up to the next assistant header."""
+        t = live.trajectory
+        if t.stop is not None:
+            return
+        if live.done:
+            t.stop = "submitted"
+        elif len(t.turns) >= self.limits.max_turns:
+            t.stop = "max_turns"
+        elif self.limits.max_failed_turns and live.failed_turns >= self.limits.max_failed_turns:
+            t.stop = "max_failed_turns"
+        if t.stop is not None:
+            return
+        turn = t.turns[-1]
+        for call, step in zip(live.pending, turn.calls):
+            live.messages.append({"role": "tool", "content": (ERROR_PREFIX if step.is_error else "") + step.content,
+                                  "tool_call_id": call.id, "name": call.name})
+        if turn.note is not None:
+            live.messages.append({"role": "user", "content": turn.note})
+        self._extend(live)
+        if len(live.context) + 1 > self.limits.max_trajectory_tokens:
+            t.stop = "max_trajectory_tokens"
+
+    def _extend(self, live: _Live) -> None:
+        t = live.trajectory
+        before, content = live.rendered, live.content
+        after = render(self.chat, t.scenario, live.messages, live.calls)
+        if not after.startswith(before + content):
+            raise DataError(
+                f"{t.scenario.source}: the chat template of {self.chat.origin} does not render the earlier turns as an "
+                f"exact prefix after assistant turn {len(t.turns)}, so the conversation cannot grow token by token; "
+                "agentic rollouts need a template that keeps earlier turns verbatim"
+            )
+        added = after[len(before) + len(content):]
+        if t.turns[-1].finish == "eos":  # the policy already wrote the end of its turn when the template uses that token
+            added = added.removeprefix(self.chat.piece(t.tokens[-1]).decode("utf-8", errors="replace"))
+        ids = self.chat.tokenizer.encode(added, add_bos=False, special=True)
+        t.tokens += ids
+        t.mask += [False] * len(ids)
+        live.rendered = after
+
+    def _verify(self, live: _Live) -> None:
+        t = live.trajectory
+        spec = t.scenario.env.verify if t.scenario.env is not None else None
+        if spec is None or t.failed or t.stop == "max_rollout_secs" or live.sandbox is None:
+            return
+        try:
+            t.terminal_reward = live.sandbox.verify(spec, self.options.verify_timeout)
+        except SandboxBroken:
+            t.stop = "sandbox_broken"
+
+
+def forget_kv_cache(sampler) -> None:
+    """Drops every cached sequence, so the next turn prefills its whole context: the
+    benchmark's "without cross-turn reuse" arm."""
+    sampler.engine.clear()
+    for slot in sampler.slots:
+        slot.cached = []
+
+
+def _release(sandbox: Sandbox | None) -> None:
+    if sandbox is not None:
+        sandbox.close()
+
+
+def _timed(timing: dict, phase: str, work: Callable):
+    start = time.perf_counter()
+    try:
+        return work()
+    finally:
+        timing[phase] = timing.get(phase, 0.0) + time.perf_counter() - start
