@@ -46,7 +46,6 @@ from pathlib import Path
 
 TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
 SIDES = ("trl", "trl-nogc", "ours-auto", "ours-f32", "decode")
-DEFAULT_SIDES = SIDES
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QUESTION = re.compile(r"Calculate (\d+) \+ (\d+)\.")
 INTEGER = re.compile(r"-?\d+")
@@ -358,7 +357,7 @@ def spawn(side: str) -> dict:
     env = os.environ | {"OMP_NUM_THREADS": str(WORK.threads), "MKL_NUM_THREADS": str(WORK.threads), "TOKENIZERS_PARALLELISM": "false"}
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, __file__, "--_child", side], capture_output=True, text=True, env=env)
+    res = subprocess.run([sys.executable, __file__, "--_child", side], check=False, capture_output=True, text=True, env=env)
     if res.returncode:
         sys.exit(f"grpo_vs_trl: the {side} run failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -399,7 +398,7 @@ def print_table(results: dict[str, dict]) -> None:
     trl = [s for s in sides if s.startswith("trl")]
     ours = [s for s in sides if s.startswith("ours")]
     pairs = [(o, t) for t in trl for o in ours]
-    fmt_s = lambda v: f"{v:.2f}"  # noqa: E731
+    fmt_s = lambda v: f"{v:.2f}"
     rows = [  # label, value of a summary, format, ratio ("speedup": TRL/ours, "fraction": ours/TRL, None)
         ("update s, median of 3", lambda s: s["median_s"], fmt_s, "speedup"),
         *((f"update {k + 1} s", lambda s, k=k: s["seconds"][k], fmt_s, "speedup") for k in range(WORK.updates)),
@@ -476,7 +475,7 @@ def check_prompts(raw: dict[str, dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sides", default=",".join(DEFAULT_SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
     ap.add_argument("--_child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:
@@ -497,24 +496,23 @@ def main() -> None:
         raw[side] = spawn(side)
         print(f"measured {side} in {raw[side]['wall']:.0f} s, load {raw[side]['load'][0]:.2f} -> {raw[side]['load'][1]:.2f}", file=sys.stderr)
     decode = raw.pop("decode", None)
-    trained = {s: r for s, r in raw.items()}
-    for side, r in trained.items():
+    for side, r in raw.items():
         extra = f"compute {r['dtype']}" if "dtype" in r else f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}"
         print(f"{side}: {extra}, {r['torch_threads']} torch threads")
-    if any(s.startswith("trl") for s in trained):
-        first = next(r for s, r in trained.items() if s.startswith("trl"))
-        print("TRL " + ", ".join(f"{p} {v}" for p, v in first["versions"].items()))
-        check_prompts(trained)
-    for side, r in trained.items():
+    trl = [r for s, r in raw.items() if s.startswith("trl")]
+    if trl:
+        print("TRL " + ", ".join(f"{p} {v}" for p, v in trl[0]["versions"].items()))
+        check_prompts(raw)
+    for side, r in raw.items():
         if "init" in r:
             print(f"{side} start-up: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["init"].items()))
-    if trained:
+    summaries = {s: summarize(r) for s, r in raw.items()}
+    if summaries:
         print()
-        print_table({s: summarize(r) for s, r in trained.items()})
+        print_table(summaries)
     if decode:
-        print_decode(decode, {s: r for s, r in trained.items() if s.startswith("ours")})
-    print_goals({s: summarize(r) for s, r in trained.items()}, decode)
-
+        print_decode(decode, {s: r for s, r in raw.items() if s.startswith("ours")})
+    print_goals(summaries, decode)
 
 if __name__ == "__main__":
     main()

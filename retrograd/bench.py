@@ -10,6 +10,14 @@ SFT: each example's mean log-prob per supervised token, and the loss (mean NLL p
 supervised token over all examples, so long examples weigh more than in the per-example
 mean). An example counts as unchanged when its mean log-prob moves by at most
 UNCHANGED_NATS, and so does the overall verdict.
+
+Distill: the student's distance to the teacher on held-out data, teacher-forced: the KL
+from the teacher over its top-k ids plus one bucket for the rest of the vocabulary (a lower
+bound of the full KL, tight when the top-k holds the mass), the share of positions where the
+student's most likely token is the teacher's, and the student's perplexity. topk_offline
+configs read SFT-style conversations; on_policy configs read prompts and measure on one
+answer per prompt sampled from the teacher (fixed seeds), so base and adapter see the same
+tokens. The teacher is scored first and closed before the student loads.
 """
 
 from __future__ import annotations
@@ -22,16 +30,23 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from retrograd.config import Config
-from retrograd.data import ChatFormat, Example, load_sft
+from retrograd.data import ChatFormat, Example, load_prompts, load_sft
+from retrograd.device import resolve_device
 from retrograd.errors import ConfigError, DataError, GGUFError
 from retrograd.gguf.adapter import AdapterFile, check_shapes, read_adapter
 from retrograd.lora import Adapter, attach_lora, frozen_linears
 from retrograd.model.base import BaseModel
-from retrograd.recipes.common import Setup, load_adapter_weights, load_base, open_chat
+from retrograd.recipes.common import Setup, compute_dtype, load_adapter_weights, load_base, open_chat
+from retrograd.recipes.distill import require_teacher, student_path, teacher_chat, teacher_options
+from retrograd.recipes.grpo import completion_seed
 from retrograd.recipes.sft import mean_loss
-from retrograd.training.batches import LogprobOptions
+from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
+from retrograd.training.batches import LogprobOptions, pack, plan_micro_batches
+from retrograd.teacher import check_same_tokenizer, gather_at, open_teacher
+from retrograd.training.scoring import Rollout
 from retrograd.training.report import Reporter
 
 UNCHANGED_NATS = 1e-3  # |Δ mean log-prob per token| at or below this counts as unchanged
@@ -198,8 +213,8 @@ def run(cfg: Config, reporter: Reporter, options: BenchOptions = BenchOptions())
     bench = BENCHES.get(cfg.run.algorithm)
     if bench is None:
         raise ConfigError(
-            f"{cfg.path}: run.algorithm = {cfg.run.algorithm!r}: bench supports sft configs for now; "
-            "grpo, agent_grpo and distill benches come later"
+            f"{cfg.path}: run.algorithm = {cfg.run.algorithm!r}: bench supports sft and distill configs for now; "
+            "grpo and agent_grpo benches come later"
         )
     if options.limit is not None and options.limit < 1:
         raise ConfigError(f"--limit {options.limit}: expected a positive number of examples")
@@ -240,8 +255,170 @@ def _sft_pass(setup: Setup, examples: tuple[Example, ...], options: LogprobOptio
     )
 
 
+# ----------------------------------------------------------------------------- distill
+
+REST_FLOOR = 1e-12  # probability left outside the top-k, floored so its log stays finite
+
+
+def topk_plus_rest_kl(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per row over k + 1 outcomes: the teacher's top-k ids and "any
+    other token" (mass 1 - sum of the k). Merging outcomes never raises a KL, so this is a
+    lower bound of the full-vocabulary KL, equal to it when the top-k holds all the mass.
+    teacher_logp, student_logp [N, K] are full-vocabulary log-probs at the same ids."""
+    def with_rest(logp: torch.Tensor) -> torch.Tensor:
+        rest = (1.0 - logp.exp().sum(-1, keepdim=True)).clamp(min=REST_FLOOR)  # [N, 1]
+        return torch.cat([logp, rest.log()], -1)  # [N, K + 1]
+
+    t, s = with_rest(teacher_logp.double()), with_rest(student_logp.double())  # [N, K + 1]
+    return (t.exp() * (t - s)).sum(-1)  # [N]
+
+
+@dataclass(frozen=True)
+class DistillPass:
+    """One pass over the examples, LoRA off (base) or on (adapter)."""
+
+    kl: tuple[float, ...]  # each example's mean KL to the teacher per scored token
+    agreement: tuple[float, ...]  # each example's share of positions whose top-1 is the teacher's
+    kl_mean: float  # per scored token, over all examples
+    agreement_mean: float
+    loss: float  # mean NLL per scored token of the data's own tokens
+    tokens: int  # every token the model read
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DistillBench:
+    data: Path
+    adapter_path: Path | None
+    teacher: Path
+    scored_tokens: int
+    teacher_perplexity: float
+    teacher_topk_mass: float  # mean probability the teacher's top-k holds
+    base: DistillPass
+    adapter: DistillPass | None
+
+    def rows(self) -> list[Row]:
+        def row(group: str, metric: str, of: Callable[[DistillPass], float], digits: int, better: int = 0) -> Row:
+            return Row(group, metric, of(self.base), None if self.adapter is None else of(self.adapter), digits, better)
+
+        def same(group: str, metric: str, value: float, digits: int) -> Row:
+            return Row(group, metric, value, None if self.adapter is None else value, digits)
+
+        per_example = "KL to teacher / example"
+        return [
+            row("teacher", "KL to teacher (nats/token)", lambda p: p.kl_mean, 4, -1),
+            row("teacher", "top-1 agreement", lambda p: p.agreement_mean, 4, 1),
+            row("quality", "perplexity", lambda p: p.perplexity, 2, -1),
+            same("quality", "teacher perplexity", self.teacher_perplexity, 2),
+            *(row(per_example, name, lambda p, n=name: getattr(Distribution.of(p.kl), n), 4, -1) for name in ("p10", "p50", "p90")),
+            row("data", "examples", lambda p: len(p.kl), 0),
+            same("data", "scored tokens", self.scored_tokens, 0),
+            same("data", "teacher top-k mass", self.teacher_topk_mass, 4),
+            row("performance", "tokens/s", lambda p: p.tokens_per_second, 1),
+        ]
+
+    def verdict(self) -> Verdict | None:
+        if self.adapter is None:
+            return None
+        deltas = np.asarray(self.base.kl) - np.asarray(self.adapter.kl)  # [examples], positive = closer to the teacher
+        return make_verdict(deltas, "KL to teacher", percent_change(self.base.kl_mean, self.adapter.kl_mean))
+
+
+def bench_distill(cfg: Config, reporter: Reporter, options: BenchOptions) -> DistillBench:
+    d, t = cfg.distill, cfg.training
+    data_path = _distill_data_path(cfg, options)
+    adapter_path = _adapter_path(cfg, options)
+    adapter_file = read_adapter(adapter_path) if adapter_path is not None else None
+    teacher_path = require_teacher(cfg)
+    chat = open_chat(cfg)
+    check_same_tokenizer(student_path(cfg), teacher_path, student_tokenizer=chat.tokenizer)
+    device = resolve_device(cfg.model.device)
+    examples, rollouts = HELD_OUT[d.mode](cfg, chat, teacher_chat(teacher_path, chat), data_path, options.limit, reporter)
+    reporter.message(f"bench: {len(examples)} example(s) from {data_path}; teacher {teacher_path.name} through {d.teacher_backend}")
+    n_vocab = chat.tokenizer.n_vocab
+    teacher = open_teacher(teacher_path, d.teacher_backend, teacher_options(cfg, device, compute_dtype(t.compute_dtype, device), 8, n_vocab))
+    try:
+        scores = teacher.score(rollouts, topk=d.topk)
+    finally:
+        teacher.close()
+    setup = _load(cfg, reporter, chat, adapter_path, adapter_file)
+    logprob_options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
+    _distill_pass(setup, examples[:1], scores[:1], logprob_options)  # warm-up, left out of tokens/s
+    with setup.adapter.disabled():
+        base = _distill_pass(setup, examples, scores, logprob_options)
+    adapter = _distill_pass(setup, examples, scores, logprob_options) if adapter_path is not None else None
+    teacher_nll = -torch.cat([s.logprobs for s in scores]).double()
+    mass = torch.cat([s.topk_logprobs for s in scores]).double().exp().sum(-1)
+    return DistillBench(data_path, adapter_path, teacher_path, teacher_nll.numel(), math.exp(min(teacher_nll.mean().item(), 700.0)),
+                        mass.mean().item(), base, adapter)
+
+
+def _conversations(cfg: Config, chat: ChatFormat, t_chat: ChatFormat, path: Path, limit: int | None, reporter: Reporter):
+    """topk_offline: SFT-style conversations, every assistant token scored."""
+    data = load_sft(path, chat, ctx=cfg.training.ctx)
+    if data.dropped:
+        reporter.message(f"dropped {len(data.dropped)} example(s) longer than ctx={cfg.training.ctx} (first: {data.dropped[0]})")
+    examples = data.examples[:limit]
+    return examples, [Rollout(i, e.ids[:1], e.ids[1:], e.mask[1:]) for i, e in enumerate(examples)]
+
+
+def _teacher_answers(cfg: Config, chat: ChatFormat, t_chat: ChatFormat, path: Path, limit: int | None, reporter: Reporter):
+    """on_policy: held-out prompts, each answered once by the teacher (fixed seeds); the
+    student reads its own rendering of the prompt, the teacher its own."""
+    d, t = cfg.distill, cfg.training
+    budget = t.ctx - d.sampling.max_new_tokens
+    prompts = load_prompts(path, chat, max_tokens=budget)[:limit]
+    teacher_prompts = load_prompts(path, t_chat, max_tokens=budget)[:limit]
+    sampling = Sampling(d.sampling.max_new_tokens, d.sampling.temperature, d.sampling.top_p)
+    options = SamplerOptions(n_ctx=t.ctx, n_seq_max=min(len(prompts), 16), n_threads=t.threads or 0)
+    reporter.message(f"sampling one teacher answer per prompt ({len(prompts)} prompts)")
+    with Sampler(cfg.distill.teacher_path, options) as sampler:
+        requests = [GroupRequest(p.ids, [completion_seed(d.sampling.seed + 2, i, 0)], sampling) for i, p in enumerate(teacher_prompts)]
+        answers = [tuple(group[0].tokens) for group in sampler.generate(requests)]
+    examples = tuple(Example(p.ids + a, (False,) * len(p.ids) + (True,) * len(a), p.source) for p, a in zip(prompts, answers))
+    return examples, [Rollout(i, p.ids, a) for i, (p, a) in enumerate(zip(teacher_prompts, answers))]
+
+
+HELD_OUT = {"topk_offline": _conversations, "on_policy": _teacher_answers}
+
+
+def _distill_pass(setup: Setup, examples, scores, options: LogprobOptions) -> DistillPass:
+    t0 = time.perf_counter()
+    kl, agreement, nll = [], [], []
+    with torch.no_grad():
+        for mb in plan_micro_batches([len(e.ids) for e in examples], setup.cfg.training.micro_batch):
+            batch = pack([examples[i] for i in mb], setup.device)
+            teacher_ids = torch.cat([scores[i].topk_ids for i in mb]).to(setup.device)  # [N, K]
+            ids = torch.cat([batch.targets[:, None], teacher_ids], 1)  # [N, 1 + K]: the data's own token first
+            logp, stats = gather_at(setup.model.transformer, batch, ids, options, topk=1)  # [N, 1 + K]
+            teacher_logp = torch.cat([scores[i].topk_logprobs for i in mb])  # [N, K]
+            owner = batch.sequence_index.cpu()  # [N]
+            per_token_kl = topk_plus_rest_kl(teacher_logp, logp[:, 1:].cpu())  # [N]
+            agree = (stats.topk_ids[:, 0] == teacher_ids[:, 0]).double().cpu()  # [N]
+            for j in range(len(mb)):
+                mine = owner == j
+                kl.append(per_token_kl[mine])
+                agreement.append(agree[mine])
+            nll.append(-logp[:, 0].double().cpu())
+    seconds = time.perf_counter() - t0
+    every_kl, every_agree = torch.cat(kl), torch.cat(agreement)
+    return DistillPass(
+        kl=tuple(x.mean().item() for x in kl), agreement=tuple(x.mean().item() for x in agreement),
+        kl_mean=every_kl.mean().item(), agreement_mean=every_agree.mean().item(), loss=torch.cat(nll).mean().item(),
+        tokens=sum(len(e.ids) for e in examples), seconds=seconds,
+    )
+
+
 # algorithm -> its bench; a new algorithm is a new function here
-BENCHES: dict[str, Callable[[Config, Reporter, BenchOptions], BenchResult]] = {"sft": bench_sft}
+BENCHES: dict[str, Callable[[Config, Reporter, BenchOptions], BenchResult]] = {"sft": bench_sft, "distill": bench_distill}
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -254,6 +431,22 @@ def _data_path(cfg: Config, options: BenchOptions) -> Path:
         path, origin = cfg.evaluation.data, "evaluation.data"
     else:
         path, origin = cfg.sft.data, "sft.data"
+    if not path.is_file():
+        raise DataError(f"{origin} {path}: no such file")
+    return path
+
+
+def _distill_data_path(cfg: Config, options: BenchOptions) -> Path:
+    """--data, else [evaluation].data, else the training data (distill.data or distill.prompts)."""
+    d = cfg.distill
+    if options.data is not None:
+        path, origin = Path(options.data).resolve(), "--data"
+    elif cfg.evaluation is not None:
+        path, origin = cfg.evaluation.data, "evaluation.data"
+    elif d.mode == "topk_offline":
+        path, origin = d.data, "distill.data"
+    else:
+        path, origin = d.prompts, "distill.prompts"
     if not path.is_file():
         raise DataError(f"{origin} {path}: no such file")
     return path

@@ -1,12 +1,13 @@
-"""Write the example's student: the bundled SmolLM2-135M-Instruct cut down to a few of its
-30 blocks, everything else (vocabulary, chat template, quantized tensors) copied byte for
-byte. The teacher is the full model, so the two share the tokenizer by construction, and the
-cut model starts far from it: a clear target for distillation.
+"""Write the example's student: the bundled SmolLM2-135M-Instruct cut down to 15 of its 30
+blocks, everything else (vocabulary, chat template, quantized tensors) copied byte for byte;
+and link the full model beside it as the teacher. The two share the tokenizer by
+construction, and the cut model starts far from the full one (KL 9 nats/token on held-out
+sums): a clear target for distillation.
 
-    python examples/distill/make_student.py                 # -> out/distill/student.gguf
-    python examples/distill/make_student.py --keep 0-5,28-29 --out other.gguf
+    python examples/distill/make_student.py       # -> out/distill/student.gguf, out/distill/teacher.gguf
+    python examples/distill/make_student.py --keep 0-14,25-29 --out other.gguf
 
-The file is generated (about 25 MB), never committed.
+The files are generated (the student is 62 MB), never committed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from retrograd.bundled import default_model_path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "out" / "distill" / "student.gguf"
-DEFAULT_KEEP = "0-3,29"  # the embedding's first blocks and the last one, which reads out to the head
+DEFAULT_KEEP = "0-9,25-29"  # the first ten blocks and the last five, which read out to the head
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -73,8 +74,13 @@ def main() -> None:
     parser.add_argument("--keep", default=DEFAULT_KEEP, help=f"blocks to keep, e.g. {DEFAULT_KEEP}")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    out = write_truncated(args.src or default_model_path(), args.out, parse_layers(args.keep))
+    src = args.src or default_model_path()
+    out = write_truncated(src, args.out, parse_layers(args.keep))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    teacher = out.with_name("teacher.gguf")
+    teacher.unlink(missing_ok=True)
+    teacher.symlink_to(src.resolve())
+    print(f"linked {teacher} -> {src}")
 
 
 if __name__ == "__main__":

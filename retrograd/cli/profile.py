@@ -13,17 +13,17 @@ from retrograd.cli.options import ModelOpt
 
 @app.command(epilog="Example: bin/profile examples/smoke_tiny_grpo.toml --group-size 8 --max-new-tokens 16")
 def profile(
-    config: Path = typer.Argument(..., help="A grpo run's TOML file."),
+    config: Path = typer.Argument(..., help="A grpo or agent_grpo run's TOML file."),
     model: ModelOpt = None,
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or gpu (overrides [model].device)."),
     updates: Optional[int] = typer.Option(None, "--updates", min=1, help="Updates to run (default 1)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=2, help="Completions per prompt (default 4)."),
     epochs: Optional[int] = typer.Option(None, "--epochs", min=1, help="Optimizer passes per update (default 1)."),
-    prompts: Optional[int] = typer.Option(None, "--prompts", min=1, help="Prompts per update (default 3)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Default: as configured."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", min=1, help="Prompts (grpo) or scenarios (agent_grpo) per update (default 3 / 2)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Per completion, or per turn for agent_grpo (default: as configured)."),
     full: bool = typer.Option(False, "--full", help="Run the workload as configured instead of the short default."),
 ) -> None:
-    """Run a short GRPO workload and report where the time and memory go."""
+    """Run a short GRPO or agentic GRPO workload and report where the time and memory go."""
     from retrograd.config import load_config
     from retrograd.profile import Workload, profile as run_profile
 

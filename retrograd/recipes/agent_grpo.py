@@ -39,8 +39,8 @@ from retrograd.memory import PeakMemory, rss_bytes
 from retrograd.objectives.advantages import group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
-from retrograd.recipes.grpo import GRPOResult, UpdateRecord, _baseline, _cut, completion_seed, warm_up
-from retrograd.rollouts.agent import FAILED, AgentRollouts, Request, RolloutLimits, Trajectory, check_prompt
+from retrograd.recipes.grpo import GRPOResult, UpdateRecord, baseline_name, cut_text, completion_seed, warm_up
+from retrograd.rollouts.agent import STOPS, AgentRollouts, Request, RolloutLimits, Trajectory, checked_prompt
 from retrograd.rollouts.rewards import OneshotCommandReward, Reward, RewardError
 from retrograd.rollouts.sandbox import EnvironmentOptions, SandboxPool, open_environment
 from retrograd.rollouts.scenarios import Scenario, load_scenarios
@@ -59,10 +59,6 @@ from retrograd.training.state import restore_state, save_state, track_evaluation
 PHASES = ("environment", "generation", "tools", "reward", "judge", "behavior_scoring", "reference", "optimizer",
           "adapter_refresh")
 DEFAULT_TOOLS = {"default": "python"}  # when [agent.environment] has no tools table
-STOPS = (
-    "no_tool_call", "submitted", "max_turns", "max_trajectory_tokens", "max_rollout_secs", "max_failed_turns",
-    "sandbox_broken",
-)
 
 
 class AgentRunStopped(RetrogradError):
@@ -121,7 +117,7 @@ def open_task(cfg: Config) -> AgentTask:
             picks = np.linspace(0, len(eval_scenarios) - 1, cfg.evaluation.max_examples).round().astype(int)
             eval_scenarios = tuple(eval_scenarios[i] for i in picks)  # evenly spaced, as retrograd does
     for scenario in scenarios + eval_scenarios:
-        check_prompt(chat, scenario, limits)
+        checked_prompt(chat, scenario, limits)
     judge = OneshotCommandReward(a.judge.command, a.judge.timeout_secs) if a.judge is not None else None
     task = AgentTask(chat, limits, catalog, options, scenarios, eval_scenarios, judge)
     if options is not None:
@@ -333,7 +329,7 @@ class AgentLoop:
                     t.live, t.skip_reason = False, "unscored"
         rewards = torch.tensor([[t.reward for t in group] for group in groups], dtype=torch.float64)  # [groups, G]
         live = torch.tensor([[t.live for t in group] for group in groups])  # [groups, G]
-        adv = group_advantages(rewards, live, baseline=_baseline(a.baseline), scale_rewards=a.scale_rewards)
+        adv = group_advantages(rewards, live, baseline=baseline_name(a.baseline), scale_rewards=a.scale_rewards)
         for i, group in enumerate(groups):
             for j, t in enumerate(group):
                 t.advantage = float(adv.advantages[i, j])
@@ -382,16 +378,22 @@ class AgentLoop:
         return None
 
     def _rollout_metrics(self, groups: list[list[Trajectory]]) -> dict:
+        """agent/* and generation/* of notes §5: failed_tool counts trajectories lost to a broken
+        sandbox or tool, failed_policy those cut by max_failed_turns (also truncations),
+        failed_fraction both; lost_fraction what left training (truncated with "drop", failed,
+        unscored); agent/stop/* why each trajectory ended."""
         members = [t for group in groups for t in group]
         turns = [turn for t in members for turn in t.turns]
         calls = [call for turn in turns for call in turn.calls]
         prefilled, reused = sum(turn.prefilled for turn in turns), sum(turn.reused for turn in turns)
         n = len(members)
+        failed_tool = sum(t.failed for t in members) / n
+        failed_policy = sum(t.stop == "max_failed_turns" for t in members) / n
         out = {
             "agent/truncated_fraction": sum(t.truncated for t in members) / n,
-            "agent/failed_fraction": sum(t.failed for t in members) / n,
-            "agent/failed_tool": sum(t.stop in FAILED for t in members) / n,
-            "agent/failed_policy": sum(t.stop == "max_failed_turns" for t in members) / n,
+            "agent/failed_fraction": failed_tool + failed_policy,
+            "agent/failed_tool": failed_tool,
+            "agent/failed_policy": failed_policy,
             "agent/unscored_fraction": sum(t.skip_reason == "unscored" for t in members) / n,
             "agent/lost_fraction": sum(t.skip_reason in ("failed", "truncated", "unscored") for t in members) / n,
             "agent/tool_error_fraction": sum(c.is_error for c in calls) / len(calls) if calls else 0.0,
@@ -401,6 +403,7 @@ class AgentLoop:
             "agent/tool_calls_per_turn": len(calls) / len(turns) if turns else 0.0,
             "agent/turn_cut_fraction": sum(turn.finish == "length" for turn in turns) / len(turns) if turns else 0.0,
             "agent/step_rewards_per_traj_mean": sum(len(t.step_rewards) for t in members) / n,
+            "agent/seconds_per_traj_mean": float(np.mean([t.seconds for t in members])),
             "generation/prefilled_tokens": float(prefilled),
             "generation/prefill_reuse_fraction": reused / (prefilled + reused) if prefilled + reused else 0.0,
         }
@@ -466,8 +469,8 @@ class AgentLoop:
 def trajectory_record(t: Trajectory, update: int, cap: int = 0) -> dict:
     """One line of rollouts.jsonl: every turn with its calls and observations."""
     turns = [
-        {"assistant": _cut(turn.text, cap), "finish": turn.finish, "tokens": turn.n_tokens,
-         "calls": [{"name": c.name, "arguments": c.arguments, "observation": _cut(c.content, cap), "is_error": c.is_error,
+        {"assistant": cut_text(turn.text, cap), "finish": turn.finish, "tokens": turn.n_tokens,
+         "calls": [{"name": c.name, "arguments": c.arguments, "observation": cut_text(c.content, cap), "is_error": c.is_error,
                     "reward": c.reward} for c in turn.calls]}
         | ({"error": turn.note} if turn.note else {})
         for turn in t.turns

@@ -84,7 +84,7 @@ def open_chat(cfg: Config) -> ChatFormat:
     path = cfg.model.path or default_model_path()
     spec = read_spec(GGUFFile(path))
     template = resolve_chat_template(spec.chat_template, cfg.model.chat_template)
-    variables = cfg.sft.template_variables if cfg.sft is not None else {}
+    variables = next((sec.template_variables for sec in (cfg.sft, cfg.agent) if sec is not None), {})
     return ChatFormat(Tokenizer(path), template, variables=variables, origin=str(path))
 
 

@@ -81,7 +81,9 @@ from retrograd.training.scoring import Rollout, plan, rollout_logprobs
 from retrograd.training.state import restore_state, save_state, track_evaluation
 
 PHASES = ("generation", "teacher", "reference", "optimizer", "adapter_refresh")
-SIDECAR_CHUNK = 16  # corpus examples scored per teacher call while writing a sidecar
+SIDECAR_CHUNK = 64  # corpus examples scored per teacher call while writing a sidecar
+TEACHER_MICRO_BATCH = 1024  # tokens per torch teacher forward at least: no gradients, and a quantized
+                            # model dequantizes its weights once per forward (measured 3x faster than 256)
 
 
 @dataclass
@@ -121,11 +123,11 @@ def require_teacher(cfg: Config) -> Path:
     return teacher
 
 
-def teacher_options(cfg: Config, device: torch.device, precision: str, group: int) -> TeacherOptions:
+def teacher_options(cfg: Config, device: torch.device, precision: str, group: int, n_vocab: int) -> TeacherOptions:
     t = cfg.training
     return TeacherOptions(
-        n_ctx=t.ctx, group=group, threads=t.threads or 0, weights=cfg.model.weights, compute_dtype=precision,
-        device=device, micro_batch=t.micro_batch, logprobs=LogprobOptions.from_training(t, 1),
+        n_ctx=t.ctx, group=group, threads=t.threads or 0, weights=cfg.model.weights, compute_dtype=precision, device=device,
+        micro_batch=max(t.micro_batch, TEACHER_MICRO_BATCH), logprobs=LogprobOptions.from_training(t, n_vocab),
     )
 
 
@@ -226,7 +228,7 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> DistillResult:
         eval_teacher = evenly_spaced(load_prompts(cfg.evaluation.data, t_chat, max_tokens=budget), cfg.evaluation.max_examples)
     setup = prepare(cfg, reporter, chat)
     teacher = open_teacher(teacher_path, d.teacher_backend,
-                           teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt))
+                           teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt, setup.model.spec.n_vocab))
     reporter.message(f"teacher {teacher_path.name} through {d.teacher_backend}")
     try:
         with Sampler(setup.model.path, sampler_options(cfg)) as sampler:
@@ -521,17 +523,21 @@ def write_teacher_topk(cfg: Config, reporter: Reporter, options: TopkOptions = T
         teacher=teacher_path.name, teacher_fingerprint=file_fingerprint(teacher_path), backend=backend,
     )
     device = resolve_device(cfg.model.device)
-    teacher = open_teacher(teacher_path, backend, teacher_options(cfg, device, compute_dtype(t.compute_dtype, device), 1))
+    teacher = open_teacher(teacher_path, backend, teacher_options(cfg, device, compute_dtype(t.compute_dtype, device), SIDECAR_CHUNK, vocabulary.n_vocab))
     reporter.message(f"distill-teacher: {len(examples)} examples, {header.rows} positions, k={k}, teacher {teacher_path.name} through {backend}")
 
     def chunks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        reporter.start(len(examples), ["examples", "positions"], "examples")
+        reporter.start(len(examples), ["examples", "positions", "positions/s"], "examples")
+        done, row_every = 0, max(1, len(examples) // (8 * SIDECAR_CHUNK)) * SIDECAR_CHUNK
         for s in range(0, len(examples), SIDECAR_CHUNK):
             part = examples[s : s + SIDECAR_CHUNK]
             rollouts = [Rollout(i, e.ids[:1], e.ids[1:], e.mask[1:]) for i, e in enumerate(part)]
             for scores in teacher.score(rollouts, topk=k):
                 yield scores.topk_ids.numpy(), scores.topk_logprobs.numpy()
-            reporter.advance(s + len(part), "")
+            done += sum(e.n_trained for e in part)
+            reporter.advance(s + len(part), f"positions={done}")
+            if (s + len(part)) % row_every == 0 or s + len(part) == len(examples):
+                reporter.row({"examples": s + len(part), "positions": done, "positions/s": done / (time.perf_counter() - t0)})
         reporter.finish()
 
     t0 = time.perf_counter()

@@ -338,7 +338,7 @@ class GRPOLoop:
         requests = []
         for k in range(n_groups):
             position = cursor + k
-            prompt = self.prompts[prompt_index(position, len(self.prompts), order=_order(g.prompt_order), seed=self.cfg.lora.seed)]
+            prompt = self.prompts[prompt_index(position, len(self.prompts), order=order_name(g.prompt_order), seed=self.cfg.lora.seed)]
             seeds = [completion_seed(g.sampling.seed, position, j) for j in range(g.group_size)]
             chosen.append(prompt)
             requests.append(GroupRequest(prompt.ids, seeds, self.sampling))
@@ -371,7 +371,7 @@ class GRPOLoop:
             lengths = torch.tensor([len(m.tokens) for m in members]).view_as(r)
             r = r + overlong_penalty(lengths, g.sampling.max_new_tokens, g.overlong_penalty.buffer_tokens, g.overlong_penalty.max_penalty)
         live = torch.tensor([not (g.mask_truncated and m.truncated) for m in members]).view_as(r)
-        adv = group_advantages(r, live, baseline=_baseline(g.baseline), scale_rewards=g.scale_rewards)
+        adv = group_advantages(r, live, baseline=baseline_name(g.baseline), scale_rewards=g.scale_rewards)
         for k, m in enumerate(members):
             i, j = divmod(k, g.group_size)
             m.reward, m.live, m.advantage = float(r[i, j]), bool(live[i, j]), float(adv.advantages[i, j])
@@ -385,7 +385,7 @@ class GRPOLoop:
         members = [m for group in groups for m in group]
         rewards = torch.tensor([[m.reward for m in group] for group in groups], dtype=torch.float64)
         live = torch.tensor([[m.live for m in group] for group in groups])
-        stats = group_advantages(rewards, live, baseline=_baseline(g.baseline), scale_rewards=g.scale_rewards).diagnostics
+        stats = group_advantages(rewards, live, baseline=baseline_name(g.baseline), scale_rewards=g.scale_rewards).diagnostics
         lengths = [len(m.tokens) for m in members]
         return stats | {
             "completions/length_mean": float(np.mean(lengths)),
@@ -450,22 +450,22 @@ class GRPOLoop:
         cap = observe.max_text_chars if observe else 0
         for m in members:
             record = {
-                "update": update + 1, "group": m.group, "prompt": _cut(m.prompt.text, cap), "source": m.prompt.source,
-                "completion": _cut(m.text, cap), "tokens": len(m.tokens), "truncated": m.truncated, "reward": m.reward,
+                "update": update + 1, "group": m.group, "prompt": cut_text(m.prompt.text, cap), "source": m.prompt.source,
+                "completion": cut_text(m.text, cap), "tokens": len(m.tokens), "truncated": m.truncated, "reward": m.reward,
                 "advantage": m.advantage, "trained": m.skip_reason is None, "skip_reason": m.skip_reason,
             }
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
 
 
-def _cut(text: str, cap: int) -> str:
+def cut_text(text: str, cap: int) -> str:
     return text if not cap or len(text) <= cap else text[:cap] + " […]"
 
 
-def _order(name: str) -> str:
+def order_name(name: str) -> str:
     return "sequential" if name == "sequential" else "shuffled"
 
 
-def _baseline(name: str) -> str:
+def baseline_name(name: str) -> str:
     return "leave_one_out" if name == "rloo" else name
 

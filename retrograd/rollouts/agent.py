@@ -56,6 +56,7 @@ from retrograd.sampler import Sampling
 ENDED = ("no_tool_call", "submitted")
 TRUNCATED = ("max_turns", "max_trajectory_tokens", "max_rollout_secs", "max_failed_turns")
 FAILED = ("sandbox_broken",)
+STOPS = ENDED + TRUNCATED + FAILED
 NO_CALL = ("no tool call found; call a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
            "or call submit when you are done")
 NO_TOOLS = "error: this run has no tools"
@@ -127,7 +128,7 @@ class Trajectory:
     step_rewards: list[tuple[int, float]] = field(default_factory=list)  # (index in tokens where it starts, reward)
     stop: str | None = None
     terminal_reward: float | None = None  # verify's (or, set by the recipe, the judge's)
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time from the first turn to the end of verify
     # decided when the group is scored
     reward: float = 0.0
     live: bool = False
@@ -198,13 +199,15 @@ def scenario_prompt(chat: ChatFormat, scenario: Scenario) -> tuple[str, tuple[in
     return text, tuple(ids)
 
 
-def check_prompt(chat: ChatFormat, scenario: Scenario, limits: RolloutLimits) -> None:
-    """Refuses, at start-up, a scenario that leaves no room for a single sampled token."""
-    n = len(scenario_prompt(chat, scenario)[1])
+def checked_prompt(chat: ChatFormat, scenario: Scenario, limits: RolloutLimits) -> tuple[str, tuple[int, ...]]:
+    """scenario_prompt, refused when it leaves no room for a single sampled token."""
+    text, ids = scenario_prompt(chat, scenario)
+    n = len(ids)
     if n + 1 > limits.max_trajectory_tokens:
         raise DataError(f"{scenario.source}: scenario {scenario.id!r} renders to {n} tokens with its tool catalogue, "
                         f"leaving no room to answer within {limits.max_trajectory_tokens} tokens "
                         "(agent.max_trajectory_tokens, else training.ctx)")
+    return text, ids
 
 
 class AgentRollouts:
@@ -223,7 +226,7 @@ class AgentRollouts:
 
     def prompt(self, scenario: Scenario) -> tuple[int, ...]:
         if scenario.source not in self._prompts:
-            self._prompts[scenario.source] = scenario_prompt(self.chat, scenario)
+            self._prompts[scenario.source] = checked_prompt(self.chat, scenario, self.limits)
         return self._prompts[scenario.source][1]
 
     # ---------------------------------------------------------------- collection
@@ -238,33 +241,32 @@ class AgentRollouts:
 
     def _wave(self, requests: Sequence[Request], timing: dict) -> list[Trajectory]:
         trajectories = [Trajectory(r.scenario, r.group, r.member, r.seed, self.prompt(r.scenario)) for r in requests]
+        lives: list[_Live] = []
         with ThreadPoolExecutor(max_workers=len(requests), thread_name_prefix="retrograd-agent") as threads:
-            sandboxes = _timed(timing, "environment", lambda: list(threads.map(self._open_sandbox, trajectories)))
-            conversations = self.sampler.open([t.seed for t in trajectories])
-            started = time.monotonic()
-            lives = [
-                _Live(t, box, conv, t.scenario.messages(), [], self._prompts[t.scenario.source][0], started)
-                for t, box, conv in zip(trajectories, sandboxes, conversations)
-            ]
+            sandboxes = _timed(timing, "environment", _each, threads, self._open_sandbox, trajectories)
             try:
+                conversations = self.sampler.open([t.seed for t in trajectories])
+                started = time.monotonic()
+                lives = [_Live(t, box, conv, t.scenario.messages(), [], self._prompts[t.scenario.source][0], started)
+                         for t, box, conv in zip(trajectories, sandboxes, conversations)]
                 running = [live for live in lives if live.trajectory.stop is None]
                 while running:
                     self._check_clock(running)
                     running = [live for live in running if live.trajectory.stop is None]
                     if not running:
                         break
-                    _timed(timing, "generation", lambda: self._sample(running))
-                    _timed(timing, "tools", lambda: list(threads.map(self._act, running)))
+                    _timed(timing, "generation", self._sample, running)
+                    _timed(timing, "tools", _each, threads, self._act, running)
                     self._check_clock(running)
                     for live in running:
                         self._continue(live)
                     running = [live for live in running if live.trajectory.stop is None]
-                _timed(timing, "reward", lambda: list(threads.map(self._verify, lives)))
+                _timed(timing, "reward", _each, threads, self._verify, lives)
             finally:
                 for live in lives:
                     live.conversation.close()
                     live.trajectory.seconds = time.monotonic() - live.started
-                _timed(timing, "environment", lambda: list(threads.map(_release, sandboxes)))
+                _timed(timing, "environment", _each, threads, _release, sandboxes)
         for t in trajectories:
             while t.tokens and not t.mask[-1]:  # nothing after the last sampled token is trained
                 t.tokens.pop()
@@ -309,6 +311,8 @@ class AgentRollouts:
             completions = self.sampler.generate_turn([(live.conversation, live.context) for live in lives], sampling)
             for live, completion in zip(lives, completions):
                 self._take_turn(live, completion)
+                if completion.finish == "length" and budget < self.limits.max_new_tokens_per_turn:
+                    live.trajectory.stop = "max_trajectory_tokens"  # cut by the trajectory's room, not the turn's
 
     def _take_turn(self, live: _Live, completion) -> None:
         t = live.trajectory
@@ -427,9 +431,14 @@ def _release(sandbox: Sandbox | None) -> None:
         sandbox.close()
 
 
-def _timed(timing: dict, phase: str, work: Callable):
+def _each(threads: ThreadPoolExecutor, work: Callable, items: list) -> list:
+    """work(item) for every item, in parallel threads; results in order, the first error raised."""
+    return list(threads.map(work, items))
+
+
+def _timed(timing: dict, phase: str, work: Callable, *args):
     start = time.perf_counter()
     try:
-        return work()
+        return work(*args)
     finally:
         timing[phase] = timing.get(phase, 0.0) + time.perf_counter() - start

@@ -92,8 +92,9 @@ def _scenario(record: dict, where: str, catalog: ToolCatalog | None, judged: boo
     if catalog is not None:
         toolset = catalog.toolset(env.toolset if env else None, f"{where} metadata.env.toolset")
     if not (env and env.verify) and not judged:
-        raise DataError(f"{where}: scenario {scenario_id!r} has no metadata.env.verify and the config has no "
-                        "[agent.judge], so nothing could score it")
+        raise DataError(f"{where}: scenario {scenario_id!r} has no metadata.env.verify, so nothing could score it "
+                        "(the judge scores training scenarios when there is an [agent.judge]; evaluation uses the "
+                        "environment reward only)")
     if suffix:
         system = (system or "") + suffix
     return Scenario(scenario_id, system, user, rubric, env, toolset, where)

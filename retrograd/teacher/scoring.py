@@ -135,10 +135,11 @@ class _Feed:
 
 
 class LlamaCppTeacher:
-    """The teacher in llama.cpp. Per group: the prompt but its last token is decoded once on
-    sequence 0; each member then copies that sequence (the KV is unified, so the copy shares
-    cells) and decodes the prompt's last token plus its own tokens, with logits where a token
-    is scored, several members per llama_decode."""
+    """The teacher in llama.cpp, `slots` sequences per wave. In a wave, each group's prompt
+    but its last token is decoded once, in its first member's sequence; the other members
+    copy that sequence (the KV is unified, so copies share cells); then every member decodes
+    the prompt's last token and its own tokens, with logits where a token is scored, packed
+    into as few llama_decode calls as the logits budget allows."""
 
     def __init__(self, path: Path, options: TeacherOptions):
         self.path = Path(path)
@@ -146,13 +147,14 @@ class LlamaCppTeacher:
         if not self.model:
             raise GGUFError(f"{self.path}: llama.cpp cannot load this teacher model")
         self.n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(self.model))
-        self.n_batch = max(1, min(options.n_ctx, LOGITS_BUDGET // (4 * self.n_vocab)))
+        self.n_batch = max(1, min(options.n_ctx * MAX_SLOTS, LOGITS_BUDGET // (4 * self.n_vocab)))
         self.slots = max(1, min(options.group, MAX_SLOTS))
         threads = options.threads or len(os.sched_getaffinity(0))
-        self.ctx = C.llama_init_from_model(self.model, _context_params(options.n_ctx * self.slots, self.slots + 1, self.n_batch, threads))
+        n_ctx = options.n_ctx * self.slots
+        self.ctx = C.llama_init_from_model(self.model, _context_params(n_ctx, self.slots, self.n_batch, threads))
         if not self.ctx:
             C.llama_model_free(self.model)
-            raise GGUFError(f"{self.path}: llama.cpp cannot create a scoring context of {options.n_ctx * self.slots} tokens")
+            raise GGUFError(f"{self.path}: llama.cpp cannot create a scoring context of {n_ctx} tokens")
         self.memory = C.llama_get_memory(self.ctx)
         self.batch = C.llama_batch_init(self.n_batch, 0, 1)
 
@@ -161,34 +163,27 @@ class LlamaCppTeacher:
         return cls(path, options)
 
     def score(self, rollouts: Sequence[Rollout], topk: int = 0) -> list[TeacherScores]:
-        out: list[TeacherScores] = [None] * len(rollouts)  # type: ignore[list-item]
-        by_group: dict[int, list[int]] = {}
-        for i, r in enumerate(rollouts):
-            by_group.setdefault(r.group, []).append(i)
-        for members in by_group.values():
-            for i, scores in zip(members, self._score_group([rollouts[i] for i in members], topk)):
-                out[i] = scores
+        out: list[TeacherScores] = []
+        for w in range(0, len(rollouts), self.slots):
+            out += self._score_wave(rollouts[w : w + self.slots], topk)
         return out
 
-    def _score_group(self, members: list[Rollout], topk: int) -> list[TeacherScores]:
-        prompt = members[0].prompt
-        assert prompt, "a scored continuation needs at least one token of context"
+    def _score_wave(self, wave: Sequence[Rollout], topk: int) -> list[TeacherScores]:
+        assert all(r.prompt for r in wave), "a scored continuation needs at least one token of context"
         C.llama_memory_clear(self.memory, False)
-        if len(prompt) > 1:
-            self._decode([_Feed(0, 0, prompt[:-1], [-1] * (len(prompt) - 1))], topk)
-        scores = []
-        for w in range(0, len(members), self.slots):
-            wave = members[w : w + self.slots]
-            feeds = []
-            for seq_id, r in enumerate(wave, start=1):
-                C.llama_memory_seq_cp(self.memory, 0, seq_id, -1, -1)
-                mask = r.mask if r.mask is not None else (True,) * len(r.tokens)
-                targets = [t if m else -1 for t, m in zip(r.tokens, mask)]
-                feeds.append(_Feed(seq_id, len(prompt) - 1, (prompt[-1], *r.tokens[:-1]), targets))
-            scores += self._decode(feeds, topk)
-            for seq_id in range(1, len(wave) + 1):
-                C.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
-        return scores
+        holder: dict[int, int] = {}  # group -> the sequence its prompt is decoded in
+        for seq_id, r in enumerate(wave):
+            holder.setdefault(r.group, seq_id)
+        prompts = [_Feed(s, 0, wave[s].prompt[:-1], [-1] * (len(wave[s].prompt) - 1)) for s in holder.values()]
+        self._decode([f for f in prompts if f.tokens], topk)
+        feeds = []
+        for seq_id, r in enumerate(wave):
+            if holder[r.group] != seq_id:
+                C.llama_memory_seq_cp(self.memory, holder[r.group], seq_id, -1, -1)
+            mask = r.mask if r.mask is not None else (True,) * len(r.tokens)
+            targets = [t if m else -1 for t, m in zip(r.tokens, mask)]
+            feeds.append(_Feed(seq_id, len(r.prompt) - 1, (r.prompt[-1], *r.tokens[:-1]), targets))
+        return self._decode(feeds, topk)
 
     def _decode(self, feeds: list[_Feed], topk: int) -> list[TeacherScores]:
         """Every feed's tokens, n_batch per llama_decode -> per feed, the scores of its targets."""

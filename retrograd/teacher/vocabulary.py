@@ -58,13 +58,15 @@ def tokenizer_fingerprint(path: Path) -> str:
 
 def check_same_tokenizer(student: Path, teacher: Path, *, student_tokenizer: Tokenizer | None = None) -> None:
     """One ConfigError line naming the first difference between the two tokenizers."""
-    a, b = read_vocabulary(student), read_vocabulary(teacher)
+    a, b = GGUFFile(student), GGUFFile(teacher)
     where = f"distill.teacher_path {teacher.name} and the student {student.name}"
-    if a.n_vocab != b.n_vocab:
-        raise ConfigError(f"{where} do not share a tokenizer: {b.n_vocab} vs {a.n_vocab} vocabulary entries")
+    n_a, n_b = read_spec(a).n_vocab, read_spec(b).n_vocab
+    if n_a != n_b:  # before reading any vocabulary: Gemma's takes seconds
+        raise ConfigError(f"{where} do not share a tokenizer: {n_b} vs {n_a} vocabulary entries")
     for key in METADATA_KEYS:
-        if a.entries[key] != b.entries[key]:
-            raise ConfigError(f"{where} do not share a tokenizer: {key} differs{_first_difference(a.entries[key], b.entries[key])}")
+        entry_a, entry_b = a.get(key), b.get(key)
+        if entry_a != entry_b:
+            raise ConfigError(f"{where} do not share a tokenizer: {key} differs{_first_difference(entry_a, entry_b)}")
     tokenize_a = student_tokenizer or Tokenizer(student)
     tokenize_b = Tokenizer(teacher)
     for n, text in enumerate(WITNESSES):
