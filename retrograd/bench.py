@@ -44,10 +44,10 @@ from retrograd.recipes.distill import require_teacher, student_path, teacher_cha
 from retrograd.recipes.grpo import completion_seed
 from retrograd.recipes.sft import mean_loss
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
-from retrograd.training.batches import LogprobOptions, pack, plan_micro_batches
 from retrograd.teacher import check_same_tokenizer, gather_at, open_teacher
-from retrograd.training.scoring import Rollout
+from retrograd.training.batches import LogprobOptions, pack, plan_micro_batches
 from retrograd.training.report import Reporter
+from retrograd.training.scoring import Rollout
 
 UNCHANGED_NATS = 1e-3  # |Δ mean log-prob per token| at or below this counts as unchanged
 
@@ -281,17 +281,7 @@ class DistillPass:
     agreement: tuple[float, ...]  # each example's share of positions whose top-1 is the teacher's
     kl_mean: float  # per scored token, over all examples
     agreement_mean: float
-    loss: float  # mean NLL per scored token of the data's own tokens
-    tokens: int  # every token the model read
-    seconds: float
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(min(self.loss, 700.0))
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    reading: SFTPass  # the data's own tokens: log-probs, perplexity, throughput
 
 
 @dataclass(frozen=True)
@@ -316,13 +306,13 @@ class DistillBench:
         return [
             row("teacher", "KL to teacher (nats/token)", lambda p: p.kl_mean, 4, -1),
             row("teacher", "top-1 agreement", lambda p: p.agreement_mean, 4, 1),
-            row("quality", "perplexity", lambda p: p.perplexity, 2, -1),
+            row("quality", "perplexity", lambda p: p.reading.perplexity, 2, -1),
             same("quality", "teacher perplexity", self.teacher_perplexity, 2),
             *(row(per_example, name, lambda p, n=name: getattr(Distribution.of(p.kl), n), 4, -1) for name in ("p10", "p50", "p90")),
             row("data", "examples", lambda p: len(p.kl), 0),
             same("data", "scored tokens", self.scored_tokens, 0),
             same("data", "teacher top-k mass", self.teacher_topk_mass, 4),
-            row("performance", "tokens/s", lambda p: p.tokens_per_second, 1),
+            row("performance", "tokens/s", lambda p: p.reading.tokens_per_second, 1),
         ]
 
     def verdict(self) -> Verdict | None:
@@ -392,7 +382,7 @@ HELD_OUT = {"topk_offline": _conversations, "on_policy": _teacher_answers}
 
 def _distill_pass(setup: Setup, examples, scores, options: LogprobOptions) -> DistillPass:
     t0 = time.perf_counter()
-    kl, agreement, nll = [], [], []
+    kl, agreement, logprobs = [], [], []
     with torch.no_grad():
         for mb in plan_micro_batches([len(e.ids) for e in examples], setup.cfg.training.micro_batch):
             batch = pack([examples[i] for i in mb], setup.device)
@@ -400,20 +390,23 @@ def _distill_pass(setup: Setup, examples, scores, options: LogprobOptions) -> Di
             ids = torch.cat([batch.targets[:, None], teacher_ids], 1)  # [N, 1 + K]: the data's own token first
             logp, stats = gather_at(setup.model.transformer, batch, ids, options, topk=1)  # [N, 1 + K]
             teacher_logp = torch.cat([scores[i].topk_logprobs for i in mb])  # [N, K]
-            owner = batch.sequence_index.cpu()  # [N]
             per_token_kl = topk_plus_rest_kl(teacher_logp, logp[:, 1:].cpu())  # [N]
             agree = (stats.topk_ids[:, 0] == teacher_ids[:, 0]).double().cpu()  # [N]
+            own = logp[:, 0].double().cpu()  # [N]
+            owner = batch.sequence_index.cpu()  # [N]
             for j in range(len(mb)):
                 mine = owner == j
                 kl.append(per_token_kl[mine])
                 agreement.append(agree[mine])
-            nll.append(-logp[:, 0].double().cpu())
+                logprobs.append(own[mine])
     seconds = time.perf_counter() - t0
-    every_kl, every_agree = torch.cat(kl), torch.cat(agreement)
+    reading = SFTPass(
+        logprobs=tuple(x.mean().item() for x in logprobs), loss=-torch.cat(logprobs).mean().item(),
+        supervised_tokens=sum(e.n_trained for e in examples), tokens=sum(len(e.ids) for e in examples), seconds=seconds,
+    )
     return DistillPass(
         kl=tuple(x.mean().item() for x in kl), agreement=tuple(x.mean().item() for x in agreement),
-        kl_mean=every_kl.mean().item(), agreement_mean=every_agree.mean().item(), loss=torch.cat(nll).mean().item(),
-        tokens=sum(len(e.ids) for e in examples), seconds=seconds,
+        kl_mean=torch.cat(kl).mean().item(), agreement_mean=torch.cat(agreement).mean().item(), reading=reading,
     )
 
 

@@ -21,8 +21,8 @@ from types import ModuleType
 import torch
 
 from retrograd.config import Config
-from retrograd.errors import ConfigError
 from retrograd.device import resolve_device
+from retrograd.errors import ConfigError
 from retrograd.recipes import agent_grpo, grpo
 from retrograd.recipes.common import compute_dtype
 from retrograd.training.report import SilentReporter

@@ -211,7 +211,7 @@ max_new_tokens = 8
         ("not an adapter", "not a LoRA adapter"),
         ("other architecture", "made for architecture 'qwen3', but the base model tiny-llama.gguf is 'llama'"),
         ("shapes do not fit", "does not fit the base model tiny-llama.gguf: adapter weight blk.0.attn_q.weight"),
-        ("grpo config", "run.algorithm = 'grpo': bench supports sft configs for now; grpo"),
+        ("grpo config", "run.algorithm = 'grpo': bench supports sft and distill configs for now; grpo"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(trained, tiny_model, tmp_path, case, needle):

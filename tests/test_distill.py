@@ -21,7 +21,9 @@ REPO = Path(__file__).parents[1]
 EXAMPLES = REPO / "examples"
 
 
-def write_config(tmp: Path, student: Path, teacher: Path, *, distill_keys: str = "", extra: str = "", updates: int = 2) -> Path:
+def write_config(
+    tmp: Path, student: Path, teacher: Path, *, distill_keys: str = "", extra: str = "", updates: int = 2
+) -> Path:
     (tmp / "prompts.jsonl").write_text((EXAMPLES / "data/smoke_rl_prompts.jsonl").read_text())
     cfg = tmp / "distill.toml"
     cfg.write_text(f"""
@@ -63,7 +65,9 @@ def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model):
     """llama.cpp teacher, two epochs per update (the clipped surrogate), KL to the base,
     held-out evaluation with a best checkpoint: every output a user looks at exists."""
     cfg = write_config(
-        tmp_path, tiny_model("llama"), tiny_model("llama", seed=1),
+        tmp_path,
+        tiny_model("llama"),
+        tiny_model("llama", seed=1),
         distill_keys="distill_epochs = 2\nkl_coefficient = 0.05\nweight_clip = 2.0",
         extra='[evaluation]\ndata = "prompts.jsonl"\nmax_examples = 3\n[checkpoint]\ndirectory = "ckpt"\nmode = "best_eval"',
     )
@@ -80,13 +84,17 @@ def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model):
             assert key in r, key
     assert updates[1]["policy/kl"] > 0  # the adapter moved away from the base after the first update
     assert sum("eval/teacher_kl_mean" in r for r in rows) == 2
-    samples = records(tmp_path / "out/samples.jsonl")
-    assert len(samples) == 2 * 2 * 3 and {"prompt", "completion", "teacher_kl_mean"} <= set(samples[0])
+    rollouts = records(tmp_path / "out/rollouts.jsonl")
+    assert len(rollouts) == 2 * 2 * 3 and {"prompt", "completion", "teacher_kl_mean"} <= set(rollouts[0])
 
 
 def test_on_policy_jsd_pipeline_with_the_torch_teacher(tmp_path, tiny_model):
-    cfg = write_config(tmp_path, tiny_model("llama"), tiny_model("llama", seed=1),
-                       distill_keys='loss = "jsd"\njsd_beta = 0.5\ntopk = 8\nteacher_backend = "torch"\nkl_coefficient = 0.02')
+    cfg = write_config(
+        tmp_path,
+        tiny_model("llama"),
+        tiny_model("llama", seed=1),
+        distill_keys='loss = "jsd"\njsd_beta = 0.5\ntopk = 8\nteacher_backend = "torch"\nkl_coefficient = 0.02',
+    )
     result = distill.run(load_config(cfg), SilentReporter())
     assert (result.done, result.steps) == (2, 2)
     first, second = result.records
@@ -95,7 +103,9 @@ def test_on_policy_jsd_pipeline_with_the_torch_teacher(tmp_path, tiny_model):
 
 def test_mask_truncated_trains_nothing_when_every_completion_is_cut(tmp_path, tiny_model):
     """A random tiny model never ends its answer within 10 tokens."""
-    cfg = write_config(tmp_path, tiny_model("llama"), tiny_model("llama", seed=1), distill_keys="mask_truncated = true", updates=1)
+    cfg = write_config(
+        tmp_path, tiny_model("llama"), tiny_model("llama", seed=1), distill_keys="mask_truncated = true", updates=1
+    )
     result = distill.run(load_config(cfg), SilentReporter())
     assert result.steps == 0 and result.records[0]["completions/truncation_fraction"] == 1.0
     assert result.records[0]["batch/trained_fraction"] == 0.0
@@ -143,9 +153,9 @@ data = "train.jsonl"
 sidecar = "train.topk"
 """)
     for command in (["distill-teacher", "distill.toml", "--backend", "torch"], ["train", "distill.toml"]):
-        r = subprocess.run([*RETROGRAD, *command], cwd=tmp_path, capture_output=True, text=True)
+        r = subprocess.run([*RETROGRAD, *command], cwd=tmp_path, capture_output=True, text=True, check=False)
         assert r.returncode == 0, r.stderr
     measured = bench.run(load_config(cfg), SilentReporter(), bench.BenchOptions(data=tmp_path / "held_out.jsonl"))
     assert measured.adapter.kl_mean < 0.5 * measured.base.kl_mean, (measured.base.kl_mean, measured.adapter.kl_mean)
     assert measured.adapter.agreement_mean > measured.base.agreement_mean + 0.2
-    assert measured.adapter.perplexity < measured.base.perplexity
+    assert measured.adapter.reading.perplexity < measured.base.reading.perplexity

@@ -34,12 +34,17 @@ def write_chat(path: Path, n: int, seed: int) -> Path:
     with open(path, "w") as f:
         for _ in range(n):
             a, b = rng.randint(0, 99), rng.randint(0, 99)
-            msgs = [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
+            msgs = [
+                {"role": "user", "content": f"What is {a} + {b}?"},
+                {"role": "assistant", "content": f"{a}+{b}={a + b}"},
+            ]
             f.write(json.dumps({"messages": msgs}) + "\n")
     return path
 
 
-def write_config(folder: Path, student: Path, teacher: Path | str, *, data: str = "train.jsonl", sidecar: str = "train.topk") -> Path:
+def write_config(
+    folder: Path, student: Path, teacher: Path | str, *, data: str = "train.jsonl", sidecar: str = "train.topk"
+) -> Path:
     cfg = folder / "distill.toml"
     cfg.write_text(f"""
 [run]
@@ -67,7 +72,7 @@ sidecar = "{sidecar}"
 
 
 def one_error_line(args: list, cwd: Path) -> str:
-    r = subprocess.run([*RETROGRAD, *args], cwd=cwd, capture_output=True, text=True)
+    r = subprocess.run([*RETROGRAD, *args], cwd=cwd, capture_output=True, text=True, check=False)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, r.stderr)
     return lines[0]
@@ -111,10 +116,15 @@ def test_teacher_scores_match_the_models_own_logits(tiny_model, backend, toleran
 
     prompt = tokens(9)
     rollouts = [
-        Rollout(0, prompt, tokens(5)), Rollout(0, prompt, tokens(1)), Rollout(0, prompt, tokens(7), (True, False, False, True, True, False, True)),
-        Rollout(1, tokens(1), tokens(6)), Rollout(2, tokens(4), tokens(3), (False, True, True)),
+        Rollout(0, prompt, tokens(5)),
+        Rollout(0, prompt, tokens(1)),
+        Rollout(0, prompt, tokens(7), (True, False, False, True, True, False, True)),
+        Rollout(1, tokens(1), tokens(6)),
+        Rollout(2, tokens(4), tokens(3), (False, True, True)),
     ]
-    teacher = open_teacher(path, backend, TeacherOptions(n_ctx=32, group=2, compute_dtype="f32", weights="f32", micro_batch=24))
+    teacher = open_teacher(
+        path, backend, TeacherOptions(n_ctx=32, group=2, compute_dtype="f32", weights="f32", micro_batch=24)
+    )
     try:
         scores = teacher.score(rollouts, topk=3)
     finally:
@@ -131,13 +141,24 @@ def test_teacher_scores_match_the_models_own_logits(tiny_model, backend, toleran
 
 
 def header(rows: int, k: int = 3) -> SidecarHeader:
-    return SidecarHeader(k=k, rows=rows, vocab_size=100, tokenizer_fingerprint="t" * 32, corpus_fingerprint="c" * 32,
-                         teacher="teacher.gguf", teacher_fingerprint="f", backend="torch")
+    return SidecarHeader(
+        k=k,
+        rows=rows,
+        vocab_size=100,
+        tokenizer_fingerprint="t" * 32,
+        corpus_fingerprint="c" * 32,
+        teacher="teacher.gguf",
+        teacher_fingerprint="f",
+        backend="torch",
+    )
 
 
 def test_sidecar_round_trips(tmp_path):
     rng = np.random.default_rng(1)
-    chunks = [(rng.integers(0, 100, (n, 3)).astype(np.int32), rng.standard_normal((n, 3)).astype(np.float32)) for n in (5, 0, 1, 11)]
+    chunks = [
+        (rng.integers(0, 100, (n, 3)).astype(np.int32), rng.standard_normal((n, 3)).astype(np.float32))
+        for n in (5, 0, 1, 11)
+    ]
     path = write_sidecar(tmp_path / "c.topk", header(17), chunks)
     sidecar = read_sidecar(path)
     assert sidecar.header == header(17)
@@ -181,7 +202,13 @@ def test_distill_teacher_writes_the_teachers_top_k_at_each_supervised_position(t
     student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
     write_chat(tmp_path / "train.jsonl", 6, seed=0)
     cfg = write_config(tmp_path, student, teacher)
-    r = subprocess.run([*RETROGRAD, "distill-teacher", str(cfg), "--backend", "torch", "--k", "5"], cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run(
+        [*RETROGRAD, "distill-teacher", str(cfg), "--backend", "torch", "--k", "5"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     sidecar = read_sidecar(tmp_path / "train.topk")
     assert sidecar.header.k == 5 and sidecar.header.backend == "torch" and sidecar.header.vocab_size == 49152
@@ -216,7 +243,8 @@ def test_bad_teachers_and_k_stop_with_one_line(tmp_path, tiny_model, gemma3):
 
     write_config(tmp_path, student, tiny_model("llama", seed=1))
     assert "--k 50000 is more than the teacher's 49152-token vocabulary" in one_error_line(
-        ["distill-teacher", "distill.toml", "--k", "50000"], tmp_path)
+        ["distill-teacher", "distill.toml", "--k", "50000"], tmp_path
+    )
 
 
 def test_a_sidecar_for_other_data_or_another_tokenizer_is_refused(tmp_path, tiny_model):
@@ -235,7 +263,9 @@ def test_a_sidecar_for_other_data_or_another_tokenizer_is_refused(tmp_path, tiny
 
     written = read_sidecar(tmp_path / "other.topk")
     fields = {**written.header.__dict__, "tokenizer_fingerprint": "0" * 32}
-    write_sidecar(tmp_path / "foreign.topk", SidecarHeader(**fields), [(np.asarray(written.ids), np.asarray(written.logprobs))])
+    write_sidecar(
+        tmp_path / "foreign.topk", SidecarHeader(**fields), [(np.asarray(written.ids), np.asarray(written.logprobs))]
+    )
     cfg = write_config(tmp_path, student, teacher, data="other.jsonl", sidecar="foreign.topk")
     with pytest.raises(DataError, match="was written with another tokenizer"):
         distill.run(load_config(cfg), SilentReporter())

@@ -182,7 +182,7 @@ def one_line_error(r, *needles):
         ("reward program not executable", "not executable"),
         ("temperature", "grpo.sampling.temperature = 0.0"),
         ("top_p", "grpo.sampling.top_p = 1.5"),
-        ("reward program crashes", "crash.py' closed its stdout"),
+        ("reward program crashes", "crash.py' exited before sending the echo"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, case, needle):

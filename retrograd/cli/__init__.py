@@ -21,6 +21,7 @@ app = typer.Typer(
 )
 
 from retrograd.cli import bench as _bench  # noqa: F401  (registers bench)
+from retrograd.cli import distill as _distill  # noqa: F401  (registers distill-teacher)
 from retrograd.cli import model as _model  # noqa: F401  (registers inspect, preflight)
 from retrograd.cli import profile as _profile  # noqa: F401  (registers profile)
 from retrograd.cli import train as _train  # noqa: F401  (registers train)

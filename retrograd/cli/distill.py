@@ -4,7 +4,7 @@ distillation (the work is retrograd.recipes.distill.write_teacher_topk; this onl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -19,17 +19,27 @@ from retrograd.cli.progress import ConsoleReporter
     epilog="Examples: retrograd distill-teacher run.toml | retrograd distill-teacher run.toml --data chats.jsonl --out chats.topk --k 32",
 )
 def distill_teacher(
-    config: Annotated[Path, typer.Argument(help="A distill run's TOML file (its \\[distill].teacher_path is the teacher).")],
-    data: Annotated[Optional[Path], typer.Option("--data", help="SFT-style corpus (default: \\[distill].data).")] = None,
+    config: Annotated[
+        Path, typer.Argument(help="A distill run's TOML file (its \\[distill].teacher_path is the teacher).")
+    ],
+    data: Annotated[Path | None, typer.Option("--data", help="SFT-style corpus (default: \\[distill].data).")] = None,
     out: Annotated[
-        Optional[Path], typer.Option("--out", help="Sidecar to write (default: \\[distill].sidecar, else DATA with suffix .topk).")
+        Path | None,
+        typer.Option("--out", help="Sidecar to write (default: \\[distill].sidecar, else DATA with suffix .topk)."),
     ] = None,
-    k: Annotated[Optional[int], typer.Option("--k", min=1, help="Teacher tokens kept per position (default: \\[distill].topk).")] = None,
+    k: Annotated[
+        int | None, typer.Option("--k", min=1, help="Teacher tokens kept per position (default: \\[distill].topk).")
+    ] = None,
     backend: Annotated[
-        Optional[str], typer.Option("--backend", help="llama.cpp (light, quantized) or torch (exact); default: \\[distill].teacher_backend.")
+        str | None,
+        typer.Option(
+            "--backend", help="llama.cpp (light, quantized) or torch (exact); default: \\[distill].teacher_backend."
+        ),
     ] = None,
     model: ModelOpt = None,
-    device: Annotated[Optional[str], typer.Option("--device", help="auto, cpu or gpu (overrides \\[model].device).")] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="auto, cpu or gpu (overrides \\[model].device).")
+    ] = None,
 ) -> None:
     """Score a corpus with the teacher and write its top-k (id, log-prob) at every supervised position."""
     from retrograd.config import load_config

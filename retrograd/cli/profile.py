@@ -25,7 +25,8 @@ def profile(
 ) -> None:
     """Run a short GRPO or agentic GRPO workload and report where the time and memory go."""
     from retrograd.config import load_config
-    from retrograd.profile import Workload, profile as run_profile
+    from retrograd.profile import Workload
+    from retrograd.profile import profile as run_profile
 
     cfg = load_config(config).with_overrides(model=model, device=device)
     lines = run_profile(cfg, Workload(updates, group_size, epochs, prompts, max_new_tokens, full))

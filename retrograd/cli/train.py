@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from retrograd.cli import app
-from retrograd.cli.options import DeviceOpt, ModelOpt
+from retrograd.cli.options import ModelOpt
 from retrograd.cli.progress import ConsoleReporter
 
 

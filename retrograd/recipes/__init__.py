@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def _sft(cfg, reporter, resume=None):
@@ -23,13 +23,10 @@ def _agent_grpo(cfg, reporter, resume=None):
     return agent_grpo.run(cfg, reporter, resume=resume)
 
 
-def _not_yet(algorithm: str) -> Callable:
-    def run(cfg, reporter, resume=None):
-        from retrograd.errors import ConfigError
+def _distill(cfg, reporter, resume=None):
+    from retrograd.recipes import distill
 
-        raise ConfigError(f"{cfg.path}: run.algorithm = {algorithm!r} is not available in this version (available: sft, grpo, agent_grpo)")
-
-    return run
+    return distill.run(cfg, reporter, resume=resume)
 
 
-RECIPES: dict[str, Callable] = {"sft": _sft, "grpo": _grpo, "agent_grpo": _agent_grpo, "distill": _not_yet("distill")}
+RECIPES: dict[str, Callable] = {"sft": _sft, "grpo": _grpo, "agent_grpo": _agent_grpo, "distill": _distill}

@@ -35,11 +35,11 @@ import torch
 from retrograd.config import Config
 from retrograd.data import ChatFormat
 from retrograd.errors import RetrogradError
-from retrograd.memory import PeakMemory, rss_bytes
+from retrograd.memory import rss_bytes
 from retrograd.objectives.advantages import group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
-from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
-from retrograd.recipes.grpo import GRPOResult, UpdateRecord, baseline_name, cut_text, completion_seed, warm_up
+from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, rollout_sampler_options, signature
+from retrograd.recipes.grpo import GRPOResult, UpdateRecord, baseline_name, completion_seed, cut_text, warm_up
 from retrograd.rollouts.agent import STOPS, AgentRollouts, Request, RolloutLimits, Trajectory, checked_prompt
 from retrograd.rollouts.rewards import OneshotCommandReward, Reward, RewardError
 from retrograd.rollouts.sandbox import EnvironmentOptions, SandboxPool, open_environment
@@ -47,14 +47,15 @@ from retrograd.rollouts.scenarios import Scenario, load_scenarios
 from retrograd.rollouts.tools import ToolCatalog
 from retrograd.sampler import Sampler, SamplerOptions
 from retrograd.training.batches import LogprobOptions
-from retrograd.training.checkpoint import check_signature, step_name
+from retrograd.training.checkpoint import step_name
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
+from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
 from retrograd.training.scoring import Rollout
-from retrograd.training.state import restore_state, save_state, track_evaluation
+from retrograd.training.state import save_state, track_evaluation
 
 PHASES = ("environment", "generation", "tools", "reward", "judge", "behavior_scoring", "reference", "optimizer",
           "adapter_refresh")
@@ -130,16 +131,9 @@ def open_task(cfg: Config) -> AgentTask:
 
 
 def sampler_options(cfg: Config) -> SamplerOptions:
-    """One sequence per trajectory of an update (up to 64), each as long as a trajectory may be."""
-    t, a = cfg.training, cfg.agent
-    concurrency = t.generation_concurrency or min(a.scenarios_per_update * a.group_size, 64)
-    return SamplerOptions(
-        n_ctx=a.max_trajectory_tokens or t.ctx,
-        n_seq_max=concurrency,
-        n_batch=t.generation_batch or max(512, concurrency),
-        kv_dtype=t.kv_dtype if t.fast_sampling_context else "f32",
-        n_threads=t.threads or 0,
-    )
+    """One sequence per trajectory of an update, each as long as a trajectory may be."""
+    a = cfg.agent
+    return rollout_sampler_options(cfg, a.scenarios_per_update * a.group_size, a.max_trajectory_tokens)
 
 
 def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> AgentResult:
@@ -154,7 +148,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             init |= warm_up(setup)
             result = loop.run(resume)
             result.init_timing = init
-            result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.peak_rss}
+            result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.totals.peak_rss}
             result.duty = loop.duty.stats
             return result
     finally:
@@ -183,20 +177,14 @@ class AgentLoop:
                                       concurrency=sampler_options(cfg).n_seq_max)
         self.progress = {"update": 0, "global_step": 0, "best_eval": None, "stale_evals": 0}
         self.rss_after_load = rss_bytes()
-        self.peak_rss = self.rss_after_load
+        self.totals = RunTotals("policy/total_loss")
         self.rollouts_path = (cfg.observe.directory if cfg.observe else cfg.output.path.parent) / "rollouts.jsonl"
 
     def run(self, resume) -> AgentResult:
         cfg, a = self.cfg, self.cfg.agent
         self.signature = self._signature()
         checkpoint = resume_point(cfg, resume)
-        if checkpoint is not None:
-            check_signature(checkpoint, self.signature)
-            self.progress = restore_state(checkpoint, self.setup, self.optimizer)
-            self.policy.global_step = self.progress["global_step"]
-            self.reporter.message(f"resumed from {checkpoint.path} at update {self.progress['update']}")
-        if any(layer.lora_b.abs().sum() > 0 for layer in self.setup.adapter.layers.values()):
-            self.sampler.set_adapter(self.setup.adapter)  # resumed or warm-started: sample from it
+        self.progress = resume_rollouts(checkpoint, self.signature, self.policy, self.sampler, self.reporter) or self.progress
         self.reporter.message(
             f"agent_grpo: updates={a.updates}, epochs_per_update={a.epochs_per_update}, scenarios={len(self.task.scenarios)}, "
             f"scenarios_per_update={a.scenarios_per_update}, group_size={a.group_size}, max_turns={a.max_turns}, "
@@ -207,7 +195,6 @@ class AgentLoop:
         self.rollouts_path.parent.mkdir(parents=True, exist_ok=True)
         append = checkpoint is not None
         records: list[UpdateRecord] = []
-        losses, tokens, seconds = [], 0, 0.0
         with MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics, \
                 open(self.rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts_file:
             self.reporter.start(a.updates, ["update", "step", "loss", "reward", "turns", "calls", "trunc", "kl", "tok/s"], "updates")
@@ -215,22 +202,9 @@ class AgentLoop:
             try:
                 while self.progress["update"] < a.updates:
                     update = self.progress["update"]
-                    t0 = time.perf_counter()
-                    with PeakMemory() as peak:
-                        record, trajectories, stop = self.update(update)
-                    self.peak_rss = max(self.peak_rss, peak.peak_rss)
-                    elapsed = time.perf_counter() - t0
+                    record, trajectories, stop = self.totals.measure(self.update, update)
                     records.append(record)
-                    m = record.metrics
-                    trained_tokens = m.get("batch/trained_tokens", 0)
-                    tokens += trained_tokens
-                    seconds += elapsed
-                    if "policy/total_loss" in m:
-                        losses.append(m["policy/total_loss"])
-                    m |= {f"timing/{k}_seconds": v for k, v in record.timing.items()} | {
-                        "timing/update_seconds": elapsed, "system/rss_bytes": rss_bytes(),
-                        "train/tokens_per_second": trained_tokens / elapsed if elapsed else 0.0,
-                    }
+                    m = self.totals.account(record.metrics, record.timing)
                     metrics.log(self.progress["global_step"], m | {"train/update": update + 1})
                     self._write_rollouts(rollouts_file, update, trajectories)
                     if stop:
@@ -242,9 +216,9 @@ class AgentLoop:
                         "calls": m["agent/tool_calls_per_turn"], "trunc": m["agent/truncated_fraction"], "kl": m.get("policy/kl"),
                         "tok/s": m["train/tokens_per_second"],
                     })
-                    self.reporter.advance(update + 1, f"reward={m['reward/mean']:.3f}" + (f" loss={losses[-1]:.4f}" if losses else ""))
+                    self.reporter.advance(update + 1, f"reward={m['reward/mean']:.3f}" + (f" loss={self.totals.last_loss:.4f}" if self.totals.losses else ""))
                     halt = self._evaluate(update, metrics) if self._evaluation_due(update) else False
-                    if cfg.checkpoint and cfg.checkpoint.every_steps and self._crossed_checkpoint(record):
+                    if cfg.checkpoint and crossed_every(cfg.checkpoint.every_steps, self.progress["global_step"], record.steps):
                         self._save(step_name(self.progress["global_step"]))
                     if halt:
                         break
@@ -253,7 +227,7 @@ class AgentLoop:
         out = self.setup.export(cfg.output.path)
         return AgentResult(
             output=out, updates_done=self.progress["update"], steps=self.progress["global_step"],
-            train_loss=losses[-1] if losses else float("nan"), tokens_per_second=tokens / seconds if seconds else 0.0,
+            train_loss=self.totals.last_loss, tokens_per_second=self.totals.tokens_per_second,
             records=records, updates_planned=a.updates, epochs_per_update=a.epochs_per_update,
         )
 
@@ -438,11 +412,6 @@ class AgentLoop:
         else:
             self.reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
         return outcome.stop
-
-    def _crossed_checkpoint(self, record: UpdateRecord) -> bool:
-        every = self.cfg.checkpoint.every_steps
-        after = self.progress["global_step"]
-        return after // every > (after - record.steps) // every
 
     def _save(self, name: str) -> None:
         path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)

@@ -24,6 +24,7 @@ from retrograd.lora import Adapter, attach_lora
 from retrograd.memory import rss_bytes
 from retrograd.model.base import BaseModel, load_model
 from retrograd.model.tokenizer import Tokenizer
+from retrograd.sampler import SamplerOptions
 from retrograd.training.checkpoint import Checkpoint, content_hash, file_fingerprint, latest_checkpoint, load_checkpoint
 from retrograd.training.report import Reporter
 
@@ -183,3 +184,17 @@ def resume_point(cfg: Config, resume: Path | bool | None) -> Checkpoint | None:
             raise DataError(f"--resume: no checkpoint to resume in {cfg.checkpoint.directory}")
         resume = found
     return load_checkpoint(Path(resume))
+
+
+def rollout_sampler_options(cfg: Config, sequences_per_update: int, n_ctx: int | None = None) -> SamplerOptions:
+    """llama.cpp decodes one sequence per completion of an update together (at most 64 unless
+    training.generation_concurrency says otherwise), each up to `n_ctx` tokens (training.ctx)."""
+    t = cfg.training
+    concurrency = t.generation_concurrency or min(sequences_per_update, 64)
+    return SamplerOptions(
+        n_ctx=n_ctx or t.ctx,
+        n_seq_max=concurrency,
+        n_batch=t.generation_batch or max(512, concurrency),
+        kv_dtype=t.kv_dtype if t.fast_sampling_context else "f32",
+        n_threads=t.threads or 0,
+    )

@@ -50,11 +50,20 @@ from retrograd.memory import PeakMemory, rss_bytes
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.objectives.distill import generalized_jsd, teacher_advantages, topk_cross_entropy
 from retrograd.objectives.policy import PolicyLossOptions, k3_kl
-from retrograd.recipes.common import Setup, compute_dtype, open_chat, prepare, resume_point, signature
+from retrograd.recipes.common import (
+    Setup,
+    compute_dtype,
+    open_chat,
+    prepare,
+    resume_point,
+    rollout_sampler_options,
+    signature,
+)
 from retrograd.recipes.grpo import completion_seed, prompt_index, warm_up
 from retrograd.recipes.sft import epoch_plan, mean_loss
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.teacher import (
+    Sidecar,
     SidecarHeader,
     TeacherOptions,
     TeacherScores,
@@ -76,6 +85,7 @@ from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer, clip_gradients, learning_rate
 from retrograd.training.report import Reporter
+from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainingDiverged, TrainSample
 from retrograd.training.scoring import Rollout, plan, rollout_logprobs
 from retrograd.training.state import restore_state, save_state, track_evaluation
@@ -83,7 +93,7 @@ from retrograd.training.state import restore_state, save_state, track_evaluation
 PHASES = ("generation", "teacher", "reference", "optimizer", "adapter_refresh")
 SIDECAR_CHUNK = 64  # corpus examples scored per teacher call while writing a sidecar
 TEACHER_MICRO_BATCH = 1024  # tokens per torch teacher forward at least: no gradients, and a quantized
-                            # model dequantizes its weights once per forward (measured 3x faster than 256)
+# model dequantizes its weights once per forward (measured 3x faster than 256)
 
 
 @dataclass
@@ -100,8 +110,10 @@ class DistillResult:
 
     def summary(self) -> str:
         unit = "update" if self.mode == "on_policy" else "epoch"
-        return (f"done {unit}={self.done}/{self.planned} step={self.steps} train_loss={self.train_loss:.4f} "
-                f"tok/s={self.tokens_per_second:.0f} out={self.output}")
+        return (
+            f"done {unit}={self.done}/{self.planned} step={self.steps} train_loss={self.train_loss:.4f} "
+            f"tok/s={self.tokens_per_second:.0f} out={self.output}"
+        )
 
 
 def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> DistillResult:
@@ -126,8 +138,14 @@ def require_teacher(cfg: Config) -> Path:
 def teacher_options(cfg: Config, device: torch.device, precision: str, group: int, n_vocab: int) -> TeacherOptions:
     t = cfg.training
     return TeacherOptions(
-        n_ctx=t.ctx, group=group, threads=t.threads or 0, weights=cfg.model.weights, compute_dtype=precision, device=device,
-        micro_batch=max(t.micro_batch, TEACHER_MICRO_BATCH), logprobs=LogprobOptions.from_training(t, n_vocab),
+        n_ctx=t.ctx,
+        group=group,
+        threads=t.threads or 0,
+        weights=cfg.model.weights,
+        compute_dtype=precision,
+        device=device,
+        micro_batch=max(t.micro_batch, TEACHER_MICRO_BATCH),
+        logprobs=LogprobOptions.from_training(t, n_vocab),
     )
 
 
@@ -143,14 +161,24 @@ def teacher_chat(teacher: Path, student: ChatFormat) -> ChatFormat:
 def distill_signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     """The resume signature: the common one, the [distill] settings and the teacher's fingerprint."""
     d = setup.cfg.distill
-    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in ("teacher_path", "prompts", "data", "sidecar")}
-    extra = {"distill": settings, "distill.teacher": file_fingerprint(d.teacher_path) if d.teacher_path.is_file() else None}
+    settings = {
+        k: v for k, v in dataclasses.asdict(d).items() if k not in ("teacher_path", "prompts", "data", "sidecar")
+    }
+    extra = {
+        "distill": settings,
+        "distill.teacher": file_fingerprint(d.teacher_path) if d.teacher_path.is_file() else None,
+    }
     return signature(setup, data_files) | json.loads(json.dumps(extra, default=str))
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, schedule: Schedule, step: int) -> float:
-    lr = learning_rate(step, lr=schedule.lr, schedule=schedule.scheduler, warmup_steps=schedule.warmup_steps,
-                       total_steps=schedule.total_steps)
+    lr = learning_rate(
+        step,
+        lr=schedule.lr,
+        schedule=schedule.scheduler,
+        warmup_steps=schedule.warmup_steps,
+        total_steps=schedule.total_steps,
+    )
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
@@ -159,7 +187,9 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, schedule: Schedule, step
 def apply_step(optimizer: torch.optim.Optimizer, params, loss: float, step: int, max_grad_norm: float) -> float:
     """Clip and step (the gradients are accumulated); a non-finite loss stops the run first."""
     if not math.isfinite(loss):
-        raise TrainingDiverged(f"step {step + 1}: the loss is {loss} (not finite); stopped without updating the adapter — try a lower training.lr")
+        raise TrainingDiverged(
+            f"step {step + 1}: the loss is {loss} (not finite); stopped without updating the adapter — try a lower training.lr"
+        )
     grad_norm = clip_gradients(params, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -204,10 +234,7 @@ class Member:
 
 
 def sampler_options(cfg: Config) -> SamplerOptions:
-    t, d = cfg.training, cfg.distill
-    concurrency = t.generation_concurrency or min(d.prompts_per_update * d.samples_per_prompt, 64)
-    return SamplerOptions(n_ctx=t.ctx, n_seq_max=concurrency, n_batch=t.generation_batch or max(512, concurrency),
-                          kv_dtype=t.kv_dtype if t.fast_sampling_context else "f32", n_threads=t.threads or 0)
+    return rollout_sampler_options(cfg, cfg.distill.prompts_per_update * cfg.distill.samples_per_prompt)
 
 
 def run_on_policy(cfg: Config, reporter: Reporter, resume) -> DistillResult:
@@ -221,23 +248,32 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> DistillResult:
     budget = t.ctx - d.sampling.max_new_tokens
     prompts = load_prompts(d.prompts, chat, max_tokens=budget)
     t_chat = teacher_chat(teacher_path, chat)
-    teacher_prompts = load_prompts(d.prompts, t_chat, max_tokens=t.ctx - d.sampling.max_new_tokens)
+    teacher_prompts = load_prompts(d.prompts, t_chat, max_tokens=budget)
     eval_prompts = eval_teacher = ()
     if cfg.evaluation:
-        eval_prompts = evenly_spaced(load_prompts(cfg.evaluation.data, chat, max_tokens=budget), cfg.evaluation.max_examples)
-        eval_teacher = evenly_spaced(load_prompts(cfg.evaluation.data, t_chat, max_tokens=budget), cfg.evaluation.max_examples)
+        eval_prompts = evenly_spaced(
+            load_prompts(cfg.evaluation.data, chat, max_tokens=budget), cfg.evaluation.max_examples
+        )
+        eval_teacher = evenly_spaced(
+            load_prompts(cfg.evaluation.data, t_chat, max_tokens=budget), cfg.evaluation.max_examples
+        )
     setup = prepare(cfg, reporter, chat)
-    teacher = open_teacher(teacher_path, d.teacher_backend,
-                           teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt, setup.model.spec.n_vocab))
+    teacher = open_teacher(
+        teacher_path,
+        d.teacher_backend,
+        teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt, setup.model.spec.n_vocab),
+    )
     reporter.message(f"teacher {teacher_path.name} through {d.teacher_backend}")
     try:
         with Sampler(setup.model.path, sampler_options(cfg)) as sampler:
-            loop = OnPolicyLoop(cfg, setup, sampler, teacher, (prompts, teacher_prompts), (eval_prompts, eval_teacher), reporter)
+            loop = OnPolicyLoop(
+                cfg, setup, sampler, teacher, (prompts, teacher_prompts), (eval_prompts, eval_teacher), reporter
+            )
             warm_up(setup)
             result = loop.run(resume)
     finally:
         teacher.close()
-    result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.peak_rss}
+    result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.totals.peak_rss}
     return result
 
 
@@ -253,24 +289,22 @@ class OnPolicyLoop:
         self.duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
         self.options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
         loss_options = PolicyLossOptions(clip_range_low=d.clip_range_low, clip_range_high=d.clip_range_high)
-        self.policy = PolicyOptimizer(setup, self.optimizer, loss_options, self.schedule, self.options, self.duty,
-                                      t.micro_batch, cfg.lora.seed)
+        self.policy = PolicyOptimizer(
+            setup, self.optimizer, loss_options, self.schedule, self.options, self.duty, t.micro_batch, cfg.lora.seed
+        )
         self.sampling = Sampling(d.sampling.max_new_tokens, d.sampling.temperature, d.sampling.top_p)
         self.progress = {"update": 0, "global_step": 0, "prompt_cursor": 0, "best_eval": None, "stale_evals": 0}
-        self.rss_after_load = self.peak_rss = rss_bytes()
+        self.rss_after_load = rss_bytes()
+        self.totals = RunTotals("train/loss")
 
     def run(self, resume) -> DistillResult:
         cfg, d = self.cfg, self.cfg.distill
-        data_files = {"distill.prompts": d.prompts} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
+        data_files = {"distill.prompts": d.prompts} | (
+            {"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {}
+        )
         self.signature = distill_signature(self.setup, data_files)
         checkpoint = resume_point(cfg, resume)
-        if checkpoint is not None:
-            check_signature(checkpoint, self.signature)
-            self.progress = restore_state(checkpoint, self.setup, self.optimizer)
-            self.policy.global_step = self.progress["global_step"]
-            self.reporter.message(f"resumed from {checkpoint.path} at update {self.progress['update']}")
-        if any(layer.lora_b.abs().sum() > 0 for layer in self.setup.adapter.layers.values()):
-            self.sampler.set_adapter(self.setup.adapter)  # resumed or warm-started: sample from it
+        self.progress = resume_rollouts(checkpoint, self.signature, self.policy, self.sampler, self.reporter) or self.progress
         self.reporter.message(
             f"distill on_policy ({d.loss}): updates={d.updates}, distill_epochs={d.distill_epochs}, "
             f"prompts={len(self.prompts)}, prompts_per_update={d.prompts_per_update}, samples_per_prompt={d.samples_per_prompt}"
@@ -278,50 +312,63 @@ class OnPolicyLoop:
         out_dir = cfg.output.path.parent
         out_dir.mkdir(parents=True, exist_ok=True)
         append = checkpoint is not None
-        records, losses, tokens, seconds = [], [], 0, 0.0
-        with MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics, \
-                open(out_dir / "samples.jsonl", "a" if append else "w", encoding="utf-8") as samples_file:
-            self.reporter.start(d.updates, ["update", "step", "loss", "teacher_kl", "clipped", "kl", "lr", "tok/s"], "updates")
+        records = []
+        with (
+            MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics,
+            open(out_dir / "rollouts.jsonl", "a" if append else "w", encoding="utf-8") as rollouts_file,
+        ):
+            self.reporter.start(
+                d.updates, ["update", "step", "loss", "teacher_kl", "clipped", "kl", "lr", "tok/s"], "updates"
+            )
             self.reporter.advance(self.progress["update"], "")
             try:
                 while self.progress["update"] < d.updates:
                     update = self.progress["update"]
-                    t0 = time.perf_counter()
-                    with PeakMemory() as peak:
-                        m, members = self.update(update)
-                    self.peak_rss = max(self.peak_rss, peak.peak_rss)
-                    elapsed = time.perf_counter() - t0
+                    m, timing, members = self.totals.measure(self.update, update)
                     self.progress["update"] = update + 1
-                    tokens += m.get("batch/trained_tokens", 0)
-                    seconds += elapsed
-                    if "train/loss" in m:
-                        losses.append(m["train/loss"])
-                    m |= {"timing/update_seconds": elapsed, "system/rss_bytes": rss_bytes(),
-                          "train/tokens_per_second": m.get("batch/trained_tokens", 0) / elapsed, "train/update": update + 1}
+                    m = self.totals.account(m, timing) | {"train/update": update + 1}
                     metrics.log(self.progress["global_step"], m)
                     records.append(m)
-                    self._write_samples(samples_file, update, members)
-                    self.reporter.row({
-                        "update": f"{update + 1}/{d.updates}", "step": self.progress["global_step"], "loss": m.get("train/loss"),
-                        "teacher_kl": m.get("distill/teacher_kl_mean"), "clipped": m.get("distill/advantage_clipped_fraction"),
-                        "kl": m.get("policy/kl"), "lr": m.get("optimizer/learning_rate"), "tok/s": m["train/tokens_per_second"],
-                    })
-                    self.reporter.advance(update + 1, f"teacher_kl={m.get('distill/teacher_kl_mean', float('nan')):.3f}")
+                    self._write_rollouts(rollouts_file, update, members)
+                    self.reporter.row(
+                        {
+                            "update": f"{update + 1}/{d.updates}",
+                            "step": self.progress["global_step"],
+                            "loss": m.get("train/loss"),
+                            "teacher_kl": m.get("distill/teacher_kl_mean"),
+                            "clipped": m.get("distill/advantage_clipped_fraction"),
+                            "kl": m.get("policy/kl"),
+                            "lr": m.get("optimizer/learning_rate"),
+                            "tok/s": m["train/tokens_per_second"],
+                        }
+                    )
+                    self.reporter.advance(
+                        update + 1, f"teacher_kl={m.get('distill/teacher_kl_mean', float('nan')):.3f}"
+                    )
                     stop = False
                     if self.eval_prompts and self._evaluation_due(update):
                         stop = self._evaluate(update, metrics)
-                    every = cfg.checkpoint.every_steps if cfg.checkpoint else None
-                    if every and self.progress["global_step"] // every > (self.progress["global_step"] - m["train/steps"]) // every:
+                    if cfg.checkpoint and crossed_every(
+                        cfg.checkpoint.every_steps, self.progress["global_step"], m["train/steps"]
+                    ):
                         self._save(step_name(self.progress["global_step"]))
                     if stop:
                         break
             finally:
                 self.reporter.finish()
         out = self.setup.export(cfg.output.path)
-        return DistillResult(out, "on_policy", self.progress["update"], d.updates, self.progress["global_step"],
-                             losses[-1] if losses else float("nan"), tokens / seconds if seconds else 0.0, records)
+        return DistillResult(
+            out,
+            "on_policy",
+            self.progress["update"],
+            d.updates,
+            self.progress["global_step"],
+            self.totals.last_loss,
+            self.totals.tokens_per_second,
+            records,
+        )
 
-    def update(self, update: int) -> tuple[dict, list[Member]]:
+    def update(self, update: int) -> tuple[dict, dict, list[Member]]:
         d = self.cfg.distill
         timing = dict.fromkeys(PHASES, 0.0)
         members = self._sample(update, timing)
@@ -332,7 +379,8 @@ class OnPolicyLoop:
         timing["teacher"] = time.perf_counter() - t0
         lengths = [len(m.tokens) for m in members]
         metrics = {
-            "completions/length_mean": float(np.mean(lengths)), "completions/length_min": float(min(lengths)),
+            "completions/length_mean": float(np.mean(lengths)),
+            "completions/length_min": float(min(lengths)),
             "completions/length_max": float(max(lengths)),
             "completions/truncation_fraction": float(np.mean([m.truncated for m in members])),
         }
@@ -348,19 +396,30 @@ class OnPolicyLoop:
             metrics["sampler/adapter_refresh_seconds"] = self.sampler.set_adapter(self.setup.adapter).total_s
             timing["adapter_refresh"] = time.perf_counter() - t0
         else:
-            self.reporter.message(f"update {update + 1}: every completion was truncated (distill.mask_truncated); nothing to train")
+            self.reporter.message(
+                f"update {update + 1}: every completion was truncated (distill.mask_truncated); nothing to train"
+            )
         self.progress["global_step"] = self.policy.global_step
-        metrics |= {f"timing/{k}_seconds": v for k, v in timing.items()}
-        metrics |= {"batch/trained_fraction": len(trained) / len(members), "train/steps": self.policy.global_step - steps_before}
-        return metrics, members
+        metrics |= {
+            "batch/trained_fraction": len(trained) / len(members),
+            "train/steps": self.policy.global_step - steps_before,
+        }
+        return metrics, timing, members
 
     def _sample(self, update: int, timing: dict) -> list[Member]:
         d = self.cfg.distill
         cursor = self.progress["prompt_cursor"]
         order = "sequential" if d.prompt_order == "sequential" else "shuffled"
-        chosen = [prompt_index(cursor + k, len(self.prompts), order=order, seed=self.cfg.lora.seed) for k in range(d.prompts_per_update)]
+        chosen = [
+            prompt_index(cursor + k, len(self.prompts), order=order, seed=self.cfg.lora.seed)
+            for k in range(d.prompts_per_update)
+        ]
         requests = [
-            GroupRequest(self.prompts[i].ids, [completion_seed(d.sampling.seed, cursor + k, j) for j in range(d.samples_per_prompt)], self.sampling)
+            GroupRequest(
+                self.prompts[i].ids,
+                [completion_seed(d.sampling.seed, cursor + k, j) for j in range(d.samples_per_prompt)],
+                self.sampling,
+            )
             for k, i in enumerate(chosen)
         ]
         self.progress["prompt_cursor"] = cursor + d.prompts_per_update
@@ -369,8 +428,16 @@ class OnPolicyLoop:
             completions = self.sampler.generate(requests)
         timing["generation"] = time.perf_counter() - t0
         return [
-            Member(g, self.prompts[i], self.teacher_prompts[i].ids, tuple(c.tokens), torch.tensor(c.logprobs), c.finish == "length")
-            for g, (i, group) in enumerate(zip(chosen, completions)) for c in group
+            Member(
+                g,
+                self.prompts[i],
+                self.teacher_prompts[i].ids,
+                tuple(c.tokens),
+                torch.tensor(c.logprobs),
+                c.finish == "length",
+            )
+            for g, (i, group) in enumerate(zip(chosen, completions))
+            for c in group
         ]
 
     # ---------------------------------------------------------------- the two losses
@@ -378,9 +445,18 @@ class OnPolicyLoop:
     def _train_reverse_kl(self, update: int, trained: list[Member], advantages: torch.Tensor, timing: dict) -> dict:
         """The sampled-token estimator of the reverse KL's gradient, through the shared policy update."""
         d = self.cfg.distill
-        samples = [TrainSample(m.rollout, advantages[i, : len(m.tokens)], m.sampler_logprobs) for i, m in enumerate(trained)]
-        diagnostics, _ = self.policy.update(update, samples, beta=d.kl_coefficient, epochs=d.distill_epochs, minibatches=1,
-                                            budget_tokens=d.sampling.max_new_tokens, timing=timing)
+        samples = [
+            TrainSample(m.rollout, advantages[i, : len(m.tokens)], m.sampler_logprobs) for i, m in enumerate(trained)
+        ]
+        diagnostics, _ = self.policy.update(
+            update,
+            samples,
+            beta=d.kl_coefficient,
+            epochs=d.distill_epochs,
+            minibatches=1,
+            budget_tokens=d.sampling.max_new_tokens,
+            timing=timing,
+        )
         return diagnostics | {"train/loss": diagnostics["policy/total_loss"]}
 
     def _train_jsd(self, update: int, trained: list[Member], advantages: torch.Tensor, timing: dict) -> dict:
@@ -419,12 +495,21 @@ class OnPolicyLoop:
                     loss.backward()
                     step["distill/jsd"] += diag["distill/jsd"]
                     step["train/loss"] += loss.item()
-                apply_step(self.optimizer, self.policy.params, step["train/loss"], self.policy.global_step, self.schedule.max_grad_norm)
+                apply_step(
+                    self.optimizer,
+                    self.policy.params,
+                    step["train/loss"],
+                    self.policy.global_step,
+                    self.schedule.max_grad_norm,
+                )
             self.policy.global_step += 1
             for k, v in step.items():
                 totals[k] = totals.get(k, 0.0) + v / d.distill_epochs
         timing["optimizer"] = time.perf_counter() - t0
-        return totals | {"optimizer/learning_rate": lr, "batch/trained_tokens": float(sum(len(m.tokens) for m in trained))}
+        return totals | {
+            "optimizer/learning_rate": lr,
+            "batch/trained_tokens": float(sum(len(m.tokens) for m in trained)),
+        }
 
     # ---------------------------------------------------------------- evaluation, checkpoints
 
@@ -435,32 +520,56 @@ class OnPolicyLoop:
         """Mean log p_S - log p_T over the tokens of one completion per held-out prompt (fixed
         seeds); best checkpoint and patience. Returns True to stop early."""
         d, ev = self.cfg.distill, self.cfg.evaluation
-        requests = [GroupRequest(p.ids, [completion_seed(d.sampling.seed + 1, i, 0)], self.sampling) for i, p in enumerate(self.eval_prompts)]
+        requests = [
+            GroupRequest(p.ids, [completion_seed(d.sampling.seed + 1, i, 0)], self.sampling)
+            for i, p in enumerate(self.eval_prompts)
+        ]
         completions = [group[0] for group in self.sampler.generate(requests)]
         rollouts = [Rollout(i, self.eval_teacher_prompts[i].ids, tuple(c.tokens)) for i, c in enumerate(completions)]
         teacher = self.teacher.score(rollouts)
         gap = torch.cat([torch.tensor(c.logprobs) - s.logprobs for c, s in zip(completions, teacher)]).double()  # [n]
         value = gap.mean().item()
-        metrics.log(self.progress["global_step"], {"eval/teacher_kl_mean": value, "eval/tokens": gap.numel(), "train/update": update + 1})
-        outcome = track_evaluation(self.progress, value, higher_is_better=False, min_delta=ev.min_delta, patience=ev.patience)
+        metrics.log(
+            self.progress["global_step"],
+            {"eval/teacher_kl_mean": value, "eval/tokens": gap.numel(), "train/update": update + 1},
+        )
+        outcome = track_evaluation(
+            self.progress, value, higher_is_better=False, min_delta=ev.min_delta, patience=ev.patience
+        )
         line = f"eval update {update + 1}/{d.updates}: teacher_kl {value:.4f} nats/token over {gap.numel()} tokens"
         if outcome.improved and self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
             self._save("best")
-        self.reporter.message(f"{line}  best {outcome.best:.4f}" + ("" if outcome.improved else f", stale {outcome.stale}/{ev.patience or '∞'}"))
+        self.reporter.message(
+            f"{line}  best {outcome.best:.4f}"
+            + ("" if outcome.improved else f", stale {outcome.stale}/{ev.patience or '∞'}")
+        )
         return outcome.stop
 
     def _save(self, name: str) -> None:
-        self.reporter.message(f"checkpoint {save_state(self.setup, self.optimizer, self.progress, self.signature, name)}")
+        self.reporter.message(
+            f"checkpoint {save_state(self.setup, self.optimizer, self.progress, self.signature, name)}"
+        )
 
-    def _write_samples(self, f, update: int, members: list[Member]) -> None:
+    def _write_rollouts(self, f, update: int, members: list[Member]) -> None:
         tokenizer = self.setup.model.tokenizer
         for m in members:
             gap = (m.sampler_logprobs - m.teacher.logprobs).mean().item()
-            f.write(json.dumps({
-                "update": update + 1, "group": m.group, "source": m.prompt.source, "prompt": m.prompt.text,
-                "completion": tokenizer.decode(list(m.tokens), special=False), "tokens": len(m.tokens),
-                "truncated": m.truncated, "teacher_kl_mean": gap,
-            }, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "update": update + 1,
+                        "group": m.group,
+                        "source": m.prompt.source,
+                        "prompt": m.prompt.text,
+                        "completion": tokenizer.decode(list(m.tokens), special=False),
+                        "tokens": len(m.tokens),
+                        "truncated": m.truncated,
+                        "teacher_kl_mean": gap,
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
         f.flush()
 
 
@@ -494,8 +603,10 @@ class TopkReport:
     def summary(self) -> str:
         h = self.header
         rate = h.rows / self.seconds if self.seconds else 0.0
-        return (f"wrote {self.path}: {h.rows} positions x k={h.k} from {self.examples} examples, "
-                f"{self.bytes / 2**20:.2f} MiB, {rate:.0f} positions/s through {h.backend}")
+        return (
+            f"wrote {self.path}: {h.rows} positions x k={h.k} from {self.examples} examples, "
+            f"{self.bytes / 2**20:.2f} MiB, {rate:.0f} positions/s through {h.backend}"
+        )
 
 
 def write_teacher_topk(cfg: Config, reporter: Reporter, options: TopkOptions = TopkOptions()) -> TopkReport:
@@ -503,7 +614,9 @@ def write_teacher_topk(cfg: Config, reporter: Reporter, options: TopkOptions = T
     d, t = cfg.distill, cfg.training
     data = options.data.resolve() if options.data else d.data
     if data is None:
-        raise ConfigError(f"{cfg.path}: distill-teacher needs the corpus: --data FILE or distill.data (mode = \"topk_offline\")")
+        raise ConfigError(
+            f'{cfg.path}: distill-teacher needs the corpus: --data FILE or distill.data (mode = "topk_offline")'
+        )
     out = options.out.resolve() if options.out else d.sidecar or data.with_suffix(".topk")
     k = options.k or d.topk
     backend = options.backend or d.teacher_backend
@@ -515,16 +628,29 @@ def write_teacher_topk(cfg: Config, reporter: Reporter, options: TopkOptions = T
         raise ConfigError(f"--k {k} is more than the teacher's {vocabulary.n_vocab}-token vocabulary")
     corpus = load_sft(data, chat, ctx=t.ctx)
     if corpus.dropped:
-        reporter.message(f"dropped {len(corpus.dropped)} example(s) longer than ctx={t.ctx} (first: {corpus.dropped[0]})")
+        reporter.message(
+            f"dropped {len(corpus.dropped)} example(s) longer than ctx={t.ctx} (first: {corpus.dropped[0]})"
+        )
     examples = corpus.examples
     header = SidecarHeader(
-        k=k, rows=sum(e.n_trained for e in examples), vocab_size=vocabulary.n_vocab,
-        tokenizer_fingerprint=vocabulary.fingerprint, corpus_fingerprint=corpus_fingerprint(examples),
-        teacher=teacher_path.name, teacher_fingerprint=file_fingerprint(teacher_path), backend=backend,
+        k=k,
+        rows=sum(e.n_trained for e in examples),
+        vocab_size=vocabulary.n_vocab,
+        tokenizer_fingerprint=vocabulary.fingerprint,
+        corpus_fingerprint=corpus_fingerprint(examples),
+        teacher=teacher_path.name,
+        teacher_fingerprint=file_fingerprint(teacher_path),
+        backend=backend,
     )
     device = resolve_device(cfg.model.device)
-    teacher = open_teacher(teacher_path, backend, teacher_options(cfg, device, compute_dtype(t.compute_dtype, device), SIDECAR_CHUNK, vocabulary.n_vocab))
-    reporter.message(f"distill-teacher: {len(examples)} examples, {header.rows} positions, k={k}, teacher {teacher_path.name} through {backend}")
+    teacher = open_teacher(
+        teacher_path,
+        backend,
+        teacher_options(cfg, device, compute_dtype(t.compute_dtype, device), SIDECAR_CHUNK, vocabulary.n_vocab),
+    )
+    reporter.message(
+        f"distill-teacher: {len(examples)} examples, {header.rows} positions, k={k}, teacher {teacher_path.name} through {backend}"
+    )
 
     def chunks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         reporter.start(len(examples), ["examples", "positions", "positions/s"], "examples")
@@ -537,7 +663,9 @@ def write_teacher_topk(cfg: Config, reporter: Reporter, options: TopkOptions = T
             done += sum(e.n_trained for e in part)
             reporter.advance(s + len(part), f"positions={done}")
             if (s + len(part)) % row_every == 0 or s + len(part) == len(examples):
-                reporter.row({"examples": s + len(part), "positions": done, "positions/s": done / (time.perf_counter() - t0)})
+                reporter.row(
+                    {"examples": s + len(part), "positions": done, "positions/s": done / (time.perf_counter() - t0)}
+                )
         reporter.finish()
 
     t0 = time.perf_counter()
@@ -555,107 +683,199 @@ def run_offline(cfg: Config, reporter: Reporter, resume) -> DistillResult:
     d, t = cfg.distill, cfg.training
     baseline_rss = rss_bytes()
     chat = open_chat(cfg)
-    corpus = load_sft(d.data, chat, ctx=t.ctx)
-    examples = corpus.examples
+    examples = load_sft(d.data, chat, ctx=t.ctx).examples
     sidecar = read_sidecar(d.sidecar)
-    check_sidecar(sidecar, tokenizer_fingerprint=tokenizer_fingerprint(student_path(cfg)), corpus_fingerprint=corpus_fingerprint(examples),
-                  rows=sum(e.n_trained for e in examples), vocab_size=chat.tokenizer.n_vocab, data=d.data)
-    eval_examples = None
+    check_sidecar(
+        sidecar,
+        tokenizer_fingerprint=tokenizer_fingerprint(student_path(cfg)),
+        corpus_fingerprint=corpus_fingerprint(examples),
+        rows=sum(e.n_trained for e in examples),
+        vocab_size=chat.tokenizer.n_vocab,
+        data=d.data,
+    )
+    eval_examples = ()
     if cfg.evaluation is not None:
         eval_examples = load_sft(cfg.evaluation.data, chat, ctx=t.ctx).examples[: cfg.evaluation.max_examples]
     setup = prepare(cfg, reporter, chat)
-    options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
-    model = setup.model.transformer
-    params = setup.adapter.parameters()
-    optimizer = build_optimizer(params, t.optimizer, t.lr, t.weight_decay)
-    offsets = row_offsets([e.n_trained for e in examples])
-    plans = [epoch_plan(examples, e, seed=cfg.lora.seed, shuffle=True, micro_batch=t.micro_batch, accumulation=t.gradient_accumulation)
-             for e in range(d.offline_epochs)]
-    total_steps = sum(len(p) for p in plans)
-    schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, total_steps, t.max_grad_norm)
-    data_files = {"distill.data": d.data, "distill.sidecar": d.sidecar} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
-    sig = distill_signature(setup, data_files)
-    progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
-    checkpoint = resume_point(cfg, resume)
-    if checkpoint is not None:
-        check_signature(checkpoint, sig)
-        progress = restore_state(checkpoint, setup, optimizer)
-        reporter.message(f"resumed from {checkpoint.path} at step {progress['global_step']}")
-    reporter.message(f"distill topk_offline: examples={len(examples)}, positions={sidecar.header.rows}, k={sidecar.header.k}, "
-                     f"epochs={d.offline_epochs}, steps={total_steps} (teacher not loaded)")
-    after_load = peak_rss = rss_bytes()
-
-    def teacher_rows(chosen) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in chosen])
-        ids = torch.from_numpy(sidecar.ids[rows].astype(np.int64)).to(setup.device)  # [N, K]
-        return ids, torch.from_numpy(np.asarray(sidecar.logprobs[rows])).to(setup.device)  # [N, K]
-
-    def save(name: str) -> None:
-        reporter.message(f"checkpoint {save_state(setup, optimizer, progress, sig, name)}")
-
-    out_dir = cfg.output.path.parent
-    records, losses, tokens, seconds = [], [], 0, 0.0
-    reporter.start(total_steps, ["epoch", "step", "topk_ce", "eval_loss", "lr", "tok/s"], "steps")
-    reporter.advance(progress["global_step"], "")
-    stop = False
-    with MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=checkpoint is not None) as metrics:
-        try:
-            for epoch in range(progress["epoch"], d.offline_epochs):
-                for k in range(progress["step_in_epoch"], len(plans[epoch])):
-                    step = progress["global_step"]
-                    t0 = time.perf_counter()
-                    lr = set_learning_rate(optimizer, schedule, step)
-                    micro_batches = plans[epoch][k]
-                    n_trained = sum(examples[i].n_trained for mb in micro_batches for i in mb)
-                    m = {"train/loss": 0.0, "distill/teacher_topk_mass": 0.0, "distill/student_topk_mass": 0.0}
-                    n_tokens = 0
-                    with PeakMemory() as peak:
-                        for mb in micro_batches:
-                            batch = pack([examples[i] for i in mb], setup.device)
-                            teacher_ids, teacher_logp = teacher_rows(mb)  # [N, K]
-                            student_logp, _ = gather_at(model, batch, teacher_ids, options)  # [N, K]
-                            every = torch.ones(len(teacher_ids), dtype=torch.bool, device=setup.device)  # [N]
-                            loss, diag = topk_cross_entropy(student_logp, teacher_logp, every, n_trained)
-                            loss.backward()
-                            m["train/loss"] += diag["distill/topk_ce"]
-                            for key in ("distill/teacher_topk_mass", "distill/student_topk_mass"):
-                                m[key] += diag[key] * len(teacher_ids) / n_trained
-                            n_tokens += batch.n_tokens
-                        grad_norm = apply_step(optimizer, params, m["train/loss"], step, t.max_grad_norm)
-                    peak_rss = max(peak_rss, peak.peak_rss)
-                    elapsed = time.perf_counter() - t0
-                    tokens += n_tokens
-                    seconds += elapsed
-                    losses.append(m["train/loss"])
-                    progress.update(global_step=step + 1, epoch=epoch, step_in_epoch=k + 1)
-                    m |= {"train/lr": lr, "train/grad_norm": grad_norm, "train/tokens_per_second": n_tokens / elapsed,
-                          "train/epoch": epoch + 1, "distill/topk_entries": n_trained * sidecar.header.k, "system/rss_bytes": rss_bytes()}
-                    metrics.log(step + 1, m)
-                    records.append(m)
-                    reporter.advance(step + 1, f"topk_ce={m['train/loss']:.4f} lr={lr:.2e}")
-                    reporter.row({"epoch": epoch + 1, "step": step + 1, "topk_ce": m["train/loss"], "eval_loss": None, "lr": lr,
-                                  "tok/s": m["train/tokens_per_second"]})
-                    if cfg.checkpoint and cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
-                        save(step_name(step + 1))
-                progress.update(epoch=epoch + 1, step_in_epoch=0)
-                if eval_examples and ((epoch + 1) % cfg.evaluation.every_iterations == 0 or epoch + 1 == d.offline_epochs):
-                    eval_loss, _ = mean_loss(setup, eval_examples, options)
-                    metrics.log(progress["global_step"], {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50.0)), "train/epoch": epoch + 1})
-                    outcome = track_evaluation(progress, eval_loss, higher_is_better=False, min_delta=cfg.evaluation.min_delta,
-                                               patience=cfg.evaluation.patience)
-                    if outcome.improved and cfg.checkpoint and "best_eval" in cfg.checkpoint.mode:
-                        save("best")
-                    reporter.message(f"eval epoch {epoch + 1}: loss {eval_loss:.4f}  best {outcome.best:.4f}")
-                    stop = outcome.stop
-                if stop:
-                    break
-        finally:
-            reporter.finish()
-    out = setup.export(cfg.output.path)
-    result = DistillResult(out, "topk_offline", progress["epoch"], d.offline_epochs, progress["global_step"],
-                           losses[-1] if losses else float("nan"), tokens / seconds if seconds else 0.0, records)
-    result.memory = {"baseline": baseline_rss, "after_load": after_load, "peak": peak_rss}
+    loop = OfflineLoop(cfg, setup, examples, sidecar, eval_examples, reporter)
+    result = loop.run(resume)
+    result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.peak_rss}
     return result
+
+
+class OfflineLoop:
+    """SFT's loop (epoch plan, packing, checkpoints at steps) with the top-k cross-entropy."""
+
+    def __init__(self, cfg: Config, setup: Setup, examples, sidecar: Sidecar, eval_examples, reporter: Reporter):
+        d, t = cfg.distill, cfg.training
+        self.cfg, self.setup, self.examples, self.sidecar, self.eval_examples = (
+            cfg,
+            setup,
+            examples,
+            sidecar,
+            eval_examples,
+        )
+        self.reporter = reporter
+        self.options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
+        self.params = setup.adapter.parameters()
+        self.optimizer = build_optimizer(self.params, t.optimizer, t.lr, t.weight_decay)
+        self.offsets = row_offsets([e.n_trained for e in examples])
+        self.plans = [
+            epoch_plan(
+                examples,
+                e,
+                seed=cfg.lora.seed,
+                shuffle=True,
+                micro_batch=t.micro_batch,
+                accumulation=t.gradient_accumulation,
+            )
+            for e in range(d.offline_epochs)
+        ]
+        self.schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, sum(len(p) for p in self.plans), t.max_grad_norm)
+        self.progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
+        self.rss_after_load = self.peak_rss = rss_bytes()
+
+    def run(self, resume) -> DistillResult:
+        cfg, d = self.cfg, self.cfg.distill
+        data_files = {"distill.data": d.data, "distill.sidecar": d.sidecar} | (
+            {"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {}
+        )
+        self.signature = distill_signature(self.setup, data_files)
+        checkpoint = resume_point(cfg, resume)
+        if checkpoint is not None:
+            check_signature(checkpoint, self.signature)
+            self.progress = restore_state(checkpoint, self.setup, self.optimizer)
+            self.reporter.message(f"resumed from {checkpoint.path} at step {self.progress['global_step']}")
+        total = self.schedule.total_steps
+        self.reporter.message(
+            f"distill topk_offline: examples={len(self.examples)}, positions={self.sidecar.header.rows}, "
+            f"k={self.sidecar.header.k}, epochs={d.offline_epochs}, steps={total} (the teacher is not loaded)"
+        )
+        records, tokens, seconds = [], 0, 0.0
+        self.reporter.start(total, ["epoch", "step", "topk_ce", "eval_loss", "lr", "tok/s"], "steps")
+        self.reporter.advance(self.progress["global_step"], "")
+        out_dir = cfg.output.path.parent
+        with MetricsSink(
+            out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=checkpoint is not None
+        ) as metrics:
+            try:
+                for epoch in range(self.progress["epoch"], d.offline_epochs):
+                    for k in range(self.progress["step_in_epoch"], len(self.plans[epoch])):
+                        step = self.progress["global_step"]
+                        t0 = time.perf_counter()
+                        with PeakMemory() as peak:
+                            m = self.step(self.plans[epoch][k])
+                        self.peak_rss = max(self.peak_rss, peak.peak_rss)
+                        elapsed = time.perf_counter() - t0
+                        tokens, seconds = tokens + m["batch/tokens"], seconds + elapsed
+                        self.progress.update(global_step=step + 1, epoch=epoch, step_in_epoch=k + 1)
+                        m |= {
+                            "train/tokens_per_second": m["batch/tokens"] / elapsed,
+                            "train/epoch": epoch + 1,
+                            "system/rss_bytes": rss_bytes(),
+                        }
+                        metrics.log(step + 1, m)
+                        records.append(m)
+                        self.reporter.advance(step + 1, f"topk_ce={m['train/loss']:.4f} lr={m['train/lr']:.2e}")
+                        self.reporter.row(
+                            {
+                                "epoch": epoch + 1,
+                                "step": step + 1,
+                                "topk_ce": m["train/loss"],
+                                "eval_loss": None,
+                                "lr": m["train/lr"],
+                                "tok/s": m["train/tokens_per_second"],
+                            }
+                        )
+                        if (
+                            cfg.checkpoint
+                            and cfg.checkpoint.every_steps
+                            and (step + 1) % cfg.checkpoint.every_steps == 0
+                        ):
+                            self._save(step_name(step + 1))
+                    self.progress.update(epoch=epoch + 1, step_in_epoch=0)
+                    due = (
+                        (epoch + 1) % cfg.evaluation.every_iterations == 0 or epoch + 1 == d.offline_epochs
+                        if cfg.evaluation
+                        else False
+                    )
+                    if self.eval_examples and due and self._evaluate(epoch, metrics):
+                        break
+            finally:
+                self.reporter.finish()
+        out = self.setup.export(cfg.output.path)
+        return DistillResult(
+            out,
+            "topk_offline",
+            self.progress["epoch"],
+            d.offline_epochs,
+            self.progress["global_step"],
+            records[-1]["train/loss"] if records else float("nan"),
+            tokens / seconds if seconds else 0.0,
+            records,
+        )
+
+    def step(self, micro_batches: list[list[int]]) -> dict:
+        """One optimizer step: the cross-entropy against the teacher's renormalised top-k,
+        averaged over the step's supervised positions."""
+        setup, step = self.setup, self.progress["global_step"]
+        lr = set_learning_rate(self.optimizer, self.schedule, step)
+        n_trained = sum(self.examples[i].n_trained for mb in micro_batches for i in mb)
+        m = {"train/loss": 0.0, "distill/teacher_topk_mass": 0.0, "distill/student_topk_mass": 0.0, "batch/tokens": 0}
+        for mb in micro_batches:
+            batch = pack([self.examples[i] for i in mb], setup.device)
+            rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in mb])  # in packing order
+            teacher_ids = torch.from_numpy(self.sidecar.ids[rows].astype(np.int64)).to(setup.device)  # [N, K]
+            teacher_logp = torch.from_numpy(np.asarray(self.sidecar.logprobs[rows])).to(setup.device)  # [N, K]
+            student_logp, _ = gather_at(setup.model.transformer, batch, teacher_ids, self.options)  # [N, K]
+            every = torch.ones(len(rows), dtype=torch.bool, device=setup.device)  # [N]
+            loss, diag = topk_cross_entropy(student_logp, teacher_logp, every, n_trained)
+            loss.backward()
+            m["train/loss"] += diag["distill/topk_ce"]
+            for key in ("distill/teacher_topk_mass", "distill/student_topk_mass"):
+                m[key] += diag[key] * len(rows) / n_trained
+            m["batch/tokens"] += batch.n_tokens
+        grad_norm = apply_step(self.optimizer, self.params, m["train/loss"], step, self.schedule.max_grad_norm)
+        return m | {
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "distill/topk_entries": n_trained * self.sidecar.header.k,
+        }
+
+    def _evaluate(self, epoch: int, metrics: MetricsSink) -> bool:
+        """The student's loss on the held-out data's own tokens; best checkpoint and patience.
+        Returns True to stop early."""
+        ev = self.cfg.evaluation
+        loss, _ = mean_loss(self.setup, self.eval_examples, self.options)
+        metrics.log(
+            self.progress["global_step"],
+            {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "train/epoch": epoch + 1},
+        )
+        outcome = track_evaluation(
+            self.progress, loss, higher_is_better=False, min_delta=ev.min_delta, patience=ev.patience
+        )
+        if outcome.improved and self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
+            self._save("best")
+        self.reporter.row(
+            {
+                "epoch": epoch + 1,
+                "step": self.progress["global_step"],
+                "topk_ce": None,
+                "eval_loss": loss,
+                "lr": None,
+                "tok/s": None,
+            }
+        )
+        self.reporter.message(
+            f"eval epoch {epoch + 1}: loss {loss:.4f}  best {outcome.best:.4f}"
+            + ("" if outcome.improved else f", stale {outcome.stale}/{ev.patience or '∞'}")
+        )
+        return outcome.stop
+
+    def _save(self, name: str) -> None:
+        self.reporter.message(
+            f"checkpoint {save_state(self.setup, self.optimizer, self.progress, self.signature, name)}"
+        )
 
 
 MODES = {"on_policy": run_on_policy, "topk_offline": run_offline}

@@ -30,22 +30,23 @@ import torch
 
 from retrograd.config import Config
 from retrograd.data import Prompt, load_prompts
-from retrograd.memory import PeakMemory, rss_bytes
+from retrograd.memory import rss_bytes
 from retrograd.objectives.advantages import group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
-from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
+from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, rollout_sampler_options, signature
 from retrograd.rollouts.rewards import make_reward
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.training.batches import LogprobOptions
-from retrograd.training.checkpoint import check_signature, step_name
+from retrograd.training.checkpoint import step_name
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
+from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
 from retrograd.training.scoring import Rollout, micro_batch_logprobs
-from retrograd.training.state import restore_state, save_state, track_evaluation
+from retrograd.training.state import save_state, track_evaluation
 
 PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer", "adapter_refresh")
 
@@ -111,15 +112,7 @@ def prompt_index(position: int, n_prompts: int, *, order: str, seed: int) -> int
 
 
 def sampler_options(cfg: Config) -> SamplerOptions:
-    t, g = cfg.training, cfg.grpo
-    concurrency = t.generation_concurrency or min(g.prompts_per_update * g.group_size, 64)
-    return SamplerOptions(
-        n_ctx=t.ctx,
-        n_seq_max=concurrency,
-        n_batch=t.generation_batch or max(512, concurrency),
-        kv_dtype=t.kv_dtype if t.fast_sampling_context else "f32",
-        n_threads=t.threads or 0,
-    )
+    return rollout_sampler_options(cfg, cfg.grpo.prompts_per_update * cfg.grpo.group_size)
 
 
 def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> GRPOResult:
@@ -144,7 +137,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             init |= warm_up(setup)
             result = loop.run(resume)
             result.init_timing = init
-            result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.peak_rss}
+            result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.totals.peak_rss}
             result.duty = loop.duty.stats
             return result
 
@@ -187,7 +180,7 @@ class GRPOLoop:
         self.progress = {"update": 0, "global_step": 0, "prompt_cursor": 0, "best_eval": None, "stale_evals": 0,
                          "stalled": 0, "kl_multiplier": 1.0}
         self.rss_after_load = rss_bytes()
-        self.peak_rss = self.rss_after_load
+        self.totals = RunTotals("policy/total_loss")
         out_dir = cfg.output.path.parent
         self.rollouts_path = (cfg.observe.directory if cfg.observe else out_dir) / "rollouts.jsonl"
 
@@ -198,12 +191,7 @@ class GRPOLoop:
         data_files = {"grpo.prompts": g.prompts} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
         self.signature = signature(self.setup, data_files)
         checkpoint = resume_point(cfg, resume)
-        if checkpoint is not None:
-            check_signature(checkpoint, self.signature)
-            self._restore(checkpoint)
-            self.reporter.message(f"resumed from {checkpoint.path} at update {self.progress['update']}")
-        if any(layer.lora_b.abs().sum() > 0 for layer in self.setup.adapter.layers.values()):
-            self.sampler.set_adapter(self.setup.adapter)  # resumed or warm-started: sample from it
+        self.progress = resume_rollouts(checkpoint, self.signature, self.policy, self.sampler, self.reporter) or self.progress
         self.reporter.message(
             f"grpo: updates={g.updates}, grpo_epochs_per_update={g.grpo_epochs}, minibatches={g.minibatches}, "
             f"optimizer_steps={self.total_steps}, prompts={len(self.prompts)}, group_size={g.group_size}"
@@ -213,7 +201,6 @@ class GRPOLoop:
         self.rollouts_path.parent.mkdir(parents=True, exist_ok=True)
         append = checkpoint is not None
         records: list[UpdateRecord] = []
-        losses, tokens, seconds = [], 0, 0.0
         with MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics, \
                 open(self.rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts_file:
             self.reporter.start(g.updates, ["update", "step", "loss", "reward", "Δreward", "kl", "clip", "lr", "tok/s"], "updates")
@@ -222,23 +209,10 @@ class GRPOLoop:
             try:
                 while self.progress["update"] < g.updates:
                     update = self.progress["update"]
-                    t0 = time.perf_counter()
-                    with PeakMemory() as peak:
-                        record, members = self.update(update)
-                    self.peak_rss = max(self.peak_rss, peak.peak_rss)
-                    elapsed = time.perf_counter() - t0
+                    record, members = self.totals.measure(self.update, update)
                     records.append(record)
-                    m = record.metrics
+                    m = self.totals.account(record.metrics, record.timing)
                     self.progress["update"] = update + 1
-                    trained_tokens = m.get("batch/trained_tokens", 0)
-                    tokens += trained_tokens
-                    seconds += elapsed
-                    if "policy/total_loss" in m:
-                        losses.append(m["policy/total_loss"])
-                    m |= {f"timing/{k}_seconds": v for k, v in record.timing.items()} | {
-                        "timing/update_seconds": elapsed, "system/rss_bytes": rss_bytes(),
-                        "train/tokens_per_second": trained_tokens / elapsed if elapsed else 0.0,
-                    }
                     metrics.log(self.progress["global_step"], m | {"train/update": update + 1})
                     self._write_rollouts(rollouts_file, update, members)
                     reward_mean = m["reward/mean"]
@@ -249,11 +223,11 @@ class GRPOLoop:
                         "reward": reward_mean, "Δreward": delta, "kl": m.get("policy/kl"), "clip": m.get("policy/clip_fraction"),
                         "lr": m.get("optimizer/learning_rate"), "tok/s": m["train/tokens_per_second"],
                     })
-                    self.reporter.advance(update + 1, f"reward={reward_mean:.3f}" + (f" loss={losses[-1]:.4f}" if losses else ""))
+                    self.reporter.advance(update + 1, f"reward={reward_mean:.3f}" + (f" loss={self.totals.last_loss:.4f}" if self.totals.losses else ""))
                     stop = self._stalled(m)
                     if self._evaluation_due(update):
                         stop = self._evaluate(update, metrics) or stop
-                    if self.cfg.checkpoint and self.cfg.checkpoint.every_steps and self._crossed_checkpoint(record):
+                    if cfg.checkpoint and crossed_every(cfg.checkpoint.every_steps, self.progress["global_step"], record.steps):
                         self._save(step_name(self.progress["global_step"]))
                     if stop:
                         break
@@ -264,8 +238,8 @@ class GRPOLoop:
             output=out,
             updates_done=self.progress["update"],
             steps=self.progress["global_step"],
-            train_loss=losses[-1] if losses else float("nan"),
-            tokens_per_second=tokens / seconds if seconds else 0.0,
+            train_loss=self.totals.last_loss,
+            tokens_per_second=self.totals.tokens_per_second,
             records=records,
             updates_planned=g.updates,
             epochs_per_update=g.grpo_epochs,
@@ -430,18 +404,9 @@ class GRPOLoop:
             return True
         return False
 
-    def _crossed_checkpoint(self, record: UpdateRecord) -> bool:
-        every = self.cfg.checkpoint.every_steps
-        after = self.progress["global_step"]
-        return after // every > (after - record.steps) // every
-
     def _save(self, name: str) -> None:
         path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
         self.reporter.message(f"checkpoint {path}")
-
-    def _restore(self, checkpoint) -> None:
-        self.progress = restore_state(checkpoint, self.setup, self.optimizer)
-        self.policy.global_step = self.progress["global_step"]
 
     def _write_rollouts(self, f, update: int, members: list[Member]) -> None:
         observe = self.cfg.observe

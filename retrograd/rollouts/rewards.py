@@ -44,6 +44,7 @@ from retrograd.errors import RetrogradError
 HANDSHAKE = {"protocol": "retrograd-reward/1"}
 MAX_LINE_BYTES = 8 * 1024 * 1024
 _CLOSE_GRACE_SECONDS = 2.0  # what a persistent worker gets to exit on its own once stdin is closed
+_EXIT_GRACE_SECONDS = 0.5  # how long a program whose stdout ended gets to show its exit
 _POLL_SECONDS = 0.05  # how often a wait checks whether the program itself has exited
 _READ_BYTES = 64 * 1024
 _STDERR_KEPT_BYTES = 64 * 1024
@@ -486,7 +487,12 @@ class _Process:
         return line
 
     def how_output_ended(self) -> str:
-        return "exited" if self._popen.poll() is not None else "closed its stdout"
+        """A program that exits closes stdout a moment before the exit is visible: wait that moment."""
+        try:
+            self._popen.wait(_EXIT_GRACE_SECONDS)
+            return "exited"
+        except subprocess.TimeoutExpired:
+            return "closed its stdout"
 
     def line_now(self) -> bytes | None:
         """A line already printed, without waiting: between batches there must be none."""

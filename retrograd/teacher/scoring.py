@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +50,7 @@ class TeacherOptions:
     compute_dtype: str = "f32"  # torch
     device: torch.device | str = "cpu"  # torch
     micro_batch: int = 512  # torch: tokens per forward
-    logprobs: LogprobOptions = LogprobOptions()  # torch: how the head is evaluated
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)  # torch: how the head is evaluated
 
 
 # ----------------------------------------------------------------------------- shared torch step
@@ -66,16 +66,22 @@ def pack_rollouts(rollouts: Sequence[Rollout], device) -> tuple[PackedBatch, lis
     return pack(items, device), [i for m in by_group.values() for i in m]
 
 
-def gather_at(model: Transformer, batch: PackedBatch, ids: torch.Tensor, options: LogprobOptions, *, topk: int = 0
-              ) -> tuple[torch.Tensor, LogprobStats]:
+def gather_at(
+    model: Transformer, batch: PackedBatch, ids: torch.Tensor, options: LogprobOptions, *, topk: int = 0
+) -> tuple[torch.Tensor, LogprobStats]:
     """log_softmax of the model's logits at the batch's scored positions, at `ids` [N, K]
     (differentiable w.r.t. the LoRA), plus the top-k of each row when asked."""
     hidden = model(batch.tokens, batch.layout)  # [T, E]
     selected = hidden.index_select(0, batch.hidden_index)  # [N, E]
     return LOGPROB_PATHS[options.path](
-        selected, model.output, ids,
-        compute_dtype=model.compute_dtype, softcap=model.spec.final_logit_softcap,
-        vocab_tile=options.vocab_tile, token_chunk=options.token_chunk, topk=topk,
+        selected,
+        model.output,
+        ids,
+        compute_dtype=model.compute_dtype,
+        softcap=model.spec.final_logit_softcap,
+        vocab_tile=options.vocab_tile,
+        token_chunk=options.token_chunk,
+        topk=topk,
     )
 
 
@@ -106,8 +112,11 @@ class TorchTeacher:
                 batch, order = pack_rollouts([rollouts[i] for i in idx], transformer.device)
                 logp, stats = gather_at(transformer, batch, batch.targets[:, None], self.options.logprobs, topk=topk)
                 lengths = [rollouts[idx[k]].sequence().n_trained for k in order]
-                parts = zip(_split(logp[:, 0].float().cpu(), lengths), _split(_cpu(stats.topk_ids), lengths),
-                            _split(_cpu(stats.topk_logprobs), lengths))
+                parts = zip(
+                    _split(logp[:, 0].float().cpu(), lengths),
+                    _split(_cpu(stats.topk_ids), lengths),
+                    _split(_cpu(stats.topk_logprobs), lengths),
+                )
                 for k, (lp, ids, top) in zip(order, parts):
                     out[idx[k]] = TeacherScores(lp, ids, top)
         return out
@@ -226,7 +235,9 @@ class LlamaCppTeacher:
 def _scores(rows: list[tuple[torch.Tensor, ...]], topk: int) -> TeacherScores:
     if not rows:
         empty = torch.zeros(0)
-        return TeacherScores(empty, torch.zeros(0, topk, dtype=torch.long) if topk else None, torch.zeros(0, topk) if topk else None)
+        return TeacherScores(
+            empty, torch.zeros(0, topk, dtype=torch.long) if topk else None, torch.zeros(0, topk) if topk else None
+        )
     columns = [torch.cat(c) for c in zip(*rows)]
     return TeacherScores(*columns)
 

@@ -128,28 +128,41 @@ def read_sidecar(path: Path, key: str = "distill.sidecar") -> Sidecar:
     if header.version != VERSION:
         raise DataError(f"{where}: sidecar version {header.version}; this retrograd reads version {VERSION}")
     if not 1 <= header.k <= header.vocab_size or header.rows < 0:
-        raise DataError(f"{where}: damaged header (k = {header.k}, rows = {header.rows}, vocab_size = {header.vocab_size})")
+        raise DataError(
+            f"{where}: damaged header (k = {header.k}, rows = {header.rows}, vocab_size = {header.vocab_size})"
+        )
     ids_at = len(_prefix(header))
     if size != ids_at + header.data_bytes:
-        raise DataError(f"{where}: {size} bytes, expected {ids_at + header.data_bytes} for {header.rows} rows of k = {header.k}")
+        raise DataError(
+            f"{where}: {size} bytes, expected {ids_at + header.data_bytes} for {header.rows} rows of k = {header.k}"
+        )
     shape = (header.rows, header.k)
     ids = np.memmap(path, ID_DTYPE, "r", offset=ids_at, shape=shape) if header.rows else np.zeros(shape, ID_DTYPE)
     logprobs_at = ids_at + header.rows * header.k * ID_DTYPE.itemsize
-    logprobs = np.memmap(path, LOGPROB_DTYPE, "r", offset=logprobs_at, shape=shape) if header.rows else np.zeros(shape, LOGPROB_DTYPE)
+    logprobs = (
+        np.memmap(path, LOGPROB_DTYPE, "r", offset=logprobs_at, shape=shape)
+        if header.rows
+        else np.zeros(shape, LOGPROB_DTYPE)
+    )
     return Sidecar(path, header, ids, logprobs)
 
 
-def check_sidecar(sidecar: Sidecar, *, tokenizer_fingerprint: str, corpus_fingerprint: str, rows: int, vocab_size: int,
-                  data: Path) -> None:
+def check_sidecar(
+    sidecar: Sidecar, *, tokenizer_fingerprint: str, corpus_fingerprint: str, rows: int, vocab_size: int, data: Path
+) -> None:
     """Refuse a sidecar written for other data or another tokenizer, in one line."""
     h, where = sidecar.header, f"distill.sidecar {sidecar.path}"
     rerun = "; rewrite it with `retrograd distill-teacher CONFIG.toml`"
     if h.tokenizer_fingerprint != tokenizer_fingerprint or h.vocab_size != vocab_size:
-        raise DataError(f"{where} was written with another tokenizer (fingerprint {h.tokenizer_fingerprint[:12]}, "
-                        f"{h.vocab_size} tokens) than the student's ({tokenizer_fingerprint[:12]}, {vocab_size} tokens){rerun}")
+        raise DataError(
+            f"{where} was written with another tokenizer (fingerprint {h.tokenizer_fingerprint[:12]}, "
+            f"{h.vocab_size} tokens) than the student's ({tokenizer_fingerprint[:12]}, {vocab_size} tokens){rerun}"
+        )
     if h.corpus_fingerprint != corpus_fingerprint or h.rows != rows:
-        raise DataError(f"{where} was written for other data than {data} (corpus fingerprint {h.corpus_fingerprint[:12]} "
-                        f"with {h.rows} positions, the data gives {corpus_fingerprint[:12]} with {rows}){rerun}")
+        raise DataError(
+            f"{where} was written for other data than {data} (corpus fingerprint {h.corpus_fingerprint[:12]} "
+            f"with {h.rows} positions, the data gives {corpus_fingerprint[:12]} with {rows}){rerun}"
+        )
 
 
 def row_offsets(n_trained: Sequence[int]) -> np.ndarray:

@@ -28,8 +28,13 @@ WITNESSES = (
     "https://example.com/a?b=c&d=e#frag <b>bold</b> user@example.org",
     "UPPER lower MiXeD camelCase snake_case kebab-case ALL_CAPS_123",
 )
-METADATA_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-                 "tokenizer.ggml.merges")
+METADATA_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+)
 
 
 @dataclass(frozen=True)

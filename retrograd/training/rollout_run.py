@@ -1,0 +1,84 @@
+"""What the rollout recipes (grpo, agent_grpo, distill's on_policy mode) share around an
+update: resuming into a live sampler, the per-update timing / memory / throughput metrics,
+and whether an update's optimizer steps crossed a checkpoint boundary."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from retrograd.memory import PeakMemory, rss_bytes
+from retrograd.training.checkpoint import Checkpoint, check_signature
+from retrograd.training.report import Reporter
+from retrograd.training.rollout_step import PolicyOptimizer
+from retrograd.training.state import restore_state
+
+T = TypeVar("T")
+
+
+def resume_rollouts(checkpoint: Checkpoint | None, signature: dict, policy: PolicyOptimizer, sampler,
+                    reporter: Reporter) -> dict | None:
+    """Restore `checkpoint` if there is one (refused when its signature differs) and hand
+    llama.cpp the adapter whenever it is not the untouched initial one. Returns the saved
+    progress, or None for a fresh run."""
+    progress = None
+    if checkpoint is not None:
+        check_signature(checkpoint, signature)
+        progress = restore_state(checkpoint, policy.setup, policy.optimizer)
+        policy.global_step = progress["global_step"]
+        reporter.message(f"resumed from {checkpoint.path} at update {progress['update']}")
+    if any(layer.lora_b.abs().sum() > 0 for layer in policy.setup.adapter.layers.values()):
+        sampler.set_adapter(policy.setup.adapter)  # resumed or warm-started: sample from it
+    return progress
+
+
+def crossed_every(every: int | None, after: int, steps: int) -> bool:
+    """Did the `steps` optimizer steps that ended at step `after` pass a multiple of `every`?"""
+    return bool(every) and after // every > (after - steps) // every
+
+
+@dataclass
+class RunTotals:
+    """Trained tokens and wall time over a run's updates, the peak RSS and the losses."""
+
+    loss_key: str
+    tokens: float = 0.0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    peak_rss: int = field(default_factory=rss_bytes)
+    elapsed: float = 0.0  # the last measured update
+
+    def measure(self, update: Callable[..., T], *args) -> T:
+        """Run one update, timing it and watching its peak RSS."""
+        t0 = time.perf_counter()
+        with PeakMemory() as peak:
+            result = update(*args)
+        self.peak_rss = max(self.peak_rss, peak.peak_rss)
+        self.elapsed = time.perf_counter() - t0
+        return result
+
+    def account(self, metrics: dict, timing: dict) -> dict:
+        """Count the measured update and add its timing/*, system/rss_bytes and
+        train/tokens_per_second to `metrics` (in place; returned for convenience)."""
+        trained = metrics.get("batch/trained_tokens", 0)
+        self.tokens += trained
+        self.seconds += self.elapsed
+        if self.loss_key in metrics:
+            self.losses.append(metrics[self.loss_key])
+        metrics |= {f"timing/{k}_seconds": v for k, v in timing.items()} | {
+            "timing/update_seconds": self.elapsed,
+            "system/rss_bytes": rss_bytes(),
+            "train/tokens_per_second": trained / self.elapsed if self.elapsed else 0.0,
+        }
+        return metrics
+
+    @property
+    def last_loss(self) -> float:
+        return self.losses[-1] if self.losses else math.nan
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
