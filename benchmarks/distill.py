@@ -58,7 +58,7 @@ alpha = 16.0
 ctx = 96
 micro_batch = 512
 lr = 1e-3
-threads = {threads}
+{f"threads = {threads}" if threads else ""}
 {body.replace("TEACHER", str(teacher))}
 """)
     return cfg
@@ -230,7 +230,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
     parser.add_argument("--examples", type=int, default=64, help="arithmetic chats scored / trained on")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: all)")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (default: all)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:

@@ -100,8 +100,12 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not self.enabled:
             return y
-        delta = F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))
-        return y + delta * self.scale
+        delta = F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.scale
+        if y.dtype == torch.float32:
+            return y + delta
+        # bf16/f16 compute: sum in float32, or a young adapter's delta (far below bf16's 1/128
+        # relative resolution) rounds away wherever the output reaches the float32 residual
+        return y.float() + delta.float()
 
 
 @dataclass

@@ -171,8 +171,9 @@ class Attention(nn.Module):
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, D]
         else:  # gather into rows, with a zero slot for padding
             q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[layout.rows].transpose(1, 2) for t in (q, k, v))  # [R, heads, L, D]
-        if q.shape[-2] <= SHORT_ROWS:  # torch's CPU flash-attention backward is 3x slower in bf16 on short rows
-            q, k, v = q.float(), k.float(), v.float()
+        # torch's CPU flash-attention backward is 3x slower in bf16 on short rows
+        attention_dtype = torch.float32 if q.shape[-2] <= SHORT_ROWS else compute_dtype
+        q, k, v = q.to(attention_dtype), k.to(attention_dtype), v.to(attention_dtype)  # v: float32 from a LoRA
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.n_head != self.n_head_kv
         ).to(compute_dtype)  # [R, H, L, Dv]
@@ -191,7 +192,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x, compute_dtype):
         h = x.to(compute_dtype)
-        return self.ffn_down(self.act(self.ffn_gate(h)) * self.ffn_up(h))
+        gate, up = self.ffn_gate(h).to(compute_dtype), self.ffn_up(h).to(compute_dtype)  # float32 from a LoRA
+        return self.ffn_down(self.act(gate) * up)
 
 
 class Block(nn.Module):
