@@ -1,6 +1,6 @@
 """SFT speed and memory: retrograd beside TRL's SFTTrainer on one identical CPU workload.
 
-    python benchmarks/sft_vs_trl.py                      # TRL, ours f32, ours bf16 (~5 min on 2 cores)
+    python benchmarks/sft_vs_trl.py                      # TRL, ours f32, bf16, bf16 + checkpointing (~6 min on 2 cores)
     python benchmarks/sft_vs_trl.py --sides ours-bf16    # a subset; TRL is not needed without "trl"
     python benchmarks/sft_vs_trl.py --profile bf16       # torch.profiler over 3 of our steps
 
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
-SIDES = ("trl", "ours-f32", "ours-bf16")
+SIDES = ("trl", "ours-f32", "ours-bf16", "ours-bf16-gc")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 OUR_TARGETS = ["q", "k", "v", "o", "ffn_gate", "ffn_up", "ffn_down"]
 LOSS_STEPS = (1, 5, 10, 20)
@@ -76,8 +76,9 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def run_ours(dtype: str, profile: bool = False) -> dict:
-    """Our SFT step, written out as recipes/sft.py runs it, on the fixed batches."""
+def run_ours(dtype: str, profile: bool = False, checkpointing: bool = False) -> dict:
+    """Our SFT step, written out as recipes/sft.py runs it, on the fixed batches; with
+    `checkpointing`, as training.gradient_checkpointing = true with checkpoint_dtype = "bf16"."""
     import torch
 
     from retrograd.data import ChatFormat, load_sft, resolve_chat_template
@@ -90,6 +91,8 @@ def run_ours(dtype: str, profile: bool = False) -> dict:
     torch.set_num_threads(WORK.threads)
     model = load_model(weights="quantized", compute_dtype=dtype)
     transformer = model.transformer
+    if checkpointing:
+        transformer.checkpoint_every, transformer.checkpoint_dtype = 1, torch.bfloat16
     adapter = attach_lora(transformer, OUR_TARGETS, WORK.rank, WORK.alpha, WORK.seed)
     chat = ChatFormat(model.tokenizer, resolve_chat_template(model.spec.chat_template), origin=str(model.path))
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,7 +211,12 @@ def run_trl() -> dict:
     }
 
 
-CHILDREN = {"trl": run_trl, "ours-f32": lambda: run_ours("f32"), "ours-bf16": lambda: run_ours("bf16")}
+CHILDREN = {
+    "trl": run_trl,
+    "ours-f32": lambda: run_ours("f32"),
+    "ours-bf16": lambda: run_ours("bf16"),
+    "ours-bf16-gc": lambda: run_ours("bf16", checkpointing=True),
+}
 
 
 def busy_cpu_seconds() -> float:

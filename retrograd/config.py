@@ -228,7 +228,7 @@ class AgentSection:
 class DistillSection:
     mode: str = key("on_policy", choices=("on_policy", "topk_offline"))
     teacher_path: Path = key()
-    teacher_backend: str = key("llama.cpp", choices=("llama.cpp", "torch"))  # on-policy scoring: light or exact
+    teacher_backend: str = key("llama.cpp", choices=("llama.cpp", "torch"))  # scoring (on-policy, distill-teacher): light or exact
     loss: str = key("reverse_kl", choices=("reverse_kl", "jsd"))  # jsd: TRL's generalized JSD over the teacher's top-k
     jsd_beta: float = key(0.5, ge=0, le=1)
     topk: int = key(16, ge=1)
@@ -253,7 +253,7 @@ class DistillSection:
 
 ON_POLICY_ONLY = ("prompts", "updates", "prompts_per_update", "samples_per_prompt", "distill_epochs", "clip_range_low",
                   "clip_range_high", "weight_clip", "kl_coefficient", "mask_truncated", "prompt_order", "sampling",
-                  "teacher_backend", "loss", "jsd_beta")
+                  "loss", "jsd_beta")
 OFFLINE_ONLY = ("data", "sidecar", "offline_epochs")
 
 

@@ -52,10 +52,10 @@ from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts
+from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
 from retrograd.training.scoring import Rollout
-from retrograd.training.state import save_state, track_evaluation
+from retrograd.training.state import RecipeLoop
 
 PHASES = ("environment", "generation", "tools", "reward", "judge", "behavior_scoring", "reference", "optimizer",
           "adapter_refresh")
@@ -158,7 +158,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
 # ---------------------------------------------------------------- the loop
 
 
-class AgentLoop:
+class AgentLoop(RecipeLoop):
     def __init__(self, cfg: Config, setup: Setup, sampler, task: AgentTask, reporter: Reporter):
         self.cfg, self.setup, self.sampler, self.task, self.reporter = cfg, setup, sampler, task, reporter
         a, t = cfg.agent, cfg.training
@@ -190,13 +190,8 @@ class AgentLoop:
             f"scenarios_per_update={a.scenarios_per_update}, group_size={a.group_size}, max_turns={a.max_turns}, "
             f"environment={self.task.options.type if self.task.options else 'none (judge only)'}"
         )
-        out_dir = cfg.output.path.parent
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.rollouts_path.parent.mkdir(parents=True, exist_ok=True)
-        append = checkpoint is not None
         records: list[UpdateRecord] = []
-        with MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics, \
-                open(self.rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts_file:
+        with rollout_outputs(cfg, self.rollouts_path, append=checkpoint is not None) as (metrics, rollouts_file):
             self.reporter.start(a.updates, ["update", "step", "loss", "reward", "turns", "calls", "trunc", "kl", "tok/s"], "updates")
             self.reporter.advance(self.progress["update"], "")
             try:
@@ -219,7 +214,7 @@ class AgentLoop:
                     self.reporter.advance(update + 1, f"reward={m['reward/mean']:.3f}" + (f" loss={self.totals.last_loss:.4f}" if self.totals.losses else ""))
                     halt = self._evaluate(update, metrics) if self._evaluation_due(update) else False
                     if cfg.checkpoint and crossed_every(cfg.checkpoint.every_steps, self.progress["global_step"], record.steps):
-                        self._save(step_name(self.progress["global_step"]))
+                        self.save(step_name(self.progress["global_step"]))
                     if halt:
                         break
             finally:
@@ -392,30 +387,11 @@ class AgentLoop:
     def _evaluate(self, update: int, metrics: MetricsSink) -> bool:
         """Environment reward of one trajectory per held-out scenario (fixed seeds); best
         checkpoint and patience. Returns True to stop early."""
-        a, ev = self.cfg.agent, self.cfg.evaluation
+        a = self.cfg.agent
         requests = [Request(s, i, 0, completion_seed(a.seed + 1, i, 0)) for i, s in enumerate(self.task.eval_scenarios)]
         trajectories = self.rollouts.collect(requests, {})
         rewards = [_total(t) if not t.failed else 0.0 for t in trajectories]
-        mean = float(np.mean(rewards))
-        metrics.log(self.progress["global_step"], {
-            "eval/mean_reward": mean, "eval/reward_min": float(min(rewards)), "eval/reward_max": float(max(rewards)),
-            "eval/failed_fraction": float(np.mean([t.failed for t in trajectories])), "train/update": update + 1,
-        })
-        line = f"eval update {update + 1}/{a.updates}: mean {mean:.4f}  range [{min(rewards):.3f}, {max(rewards):.3f}]  n={len(rewards)}"
-        outcome = track_evaluation(self.progress, mean, higher_is_better=True, min_delta=ev.min_delta, patience=ev.patience)
-        if outcome.improved:
-            saved = ""
-            if self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
-                self._save("best")
-                saved = " (saved best.gguf)"
-            self.reporter.message(f"{line}  best {mean:.4f} ↑{saved}")
-        else:
-            self.reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
-        return outcome.stop
-
-    def _save(self, name: str) -> None:
-        path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
-        self.reporter.message(f"checkpoint {path}")
+        return self.held_out_reward(update, a.updates, rewards, metrics, {"eval/failed_fraction": float(np.mean([t.failed for t in trajectories]))})
 
     def _signature(self) -> dict:
         """common.signature plus what only this recipe has: [agent] and the tool definitions."""

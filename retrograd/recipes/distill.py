@@ -85,10 +85,10 @@ from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer, clip_gradients, learning_rate
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts
+from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainingDiverged, TrainSample
 from retrograd.training.scoring import Rollout, plan, rollout_logprobs
-from retrograd.training.state import restore_state, save_state, track_evaluation
+from retrograd.training.state import RecipeLoop, restore_state, track_evaluation
 
 PHASES = ("generation", "teacher", "reference", "optimizer", "adapter_refresh")
 SIDECAR_CHUNK = 64  # corpus examples scored per teacher call while writing a sidecar
@@ -161,9 +161,8 @@ def teacher_chat(teacher: Path, student: ChatFormat) -> ChatFormat:
 def distill_signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     """The resume signature: the common one, the [distill] settings and the teacher's fingerprint."""
     d = setup.cfg.distill
-    settings = {
-        k: v for k, v in dataclasses.asdict(d).items() if k not in ("teacher_path", "prompts", "data", "sidecar")
-    }
+    unsigned = ("teacher_path", "prompts", "data", "sidecar") + (("teacher_backend",) if d.mode == "topk_offline" else ())
+    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in unsigned}
     extra = {
         "distill": settings,
         "distill.teacher": file_fingerprint(d.teacher_path) if d.teacher_path.is_file() else None,
@@ -277,7 +276,7 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> DistillResult:
     return result
 
 
-class OnPolicyLoop:
+class OnPolicyLoop(RecipeLoop):
     def __init__(self, cfg: Config, setup: Setup, sampler: Sampler, teacher, prompts, eval_prompts, reporter: Reporter):
         self.cfg, self.setup, self.sampler, self.teacher, self.reporter = cfg, setup, sampler, teacher, reporter
         self.prompts, self.teacher_prompts = prompts
@@ -309,14 +308,9 @@ class OnPolicyLoop:
             f"distill on_policy ({d.loss}): updates={d.updates}, distill_epochs={d.distill_epochs}, "
             f"prompts={len(self.prompts)}, prompts_per_update={d.prompts_per_update}, samples_per_prompt={d.samples_per_prompt}"
         )
-        out_dir = cfg.output.path.parent
-        out_dir.mkdir(parents=True, exist_ok=True)
-        append = checkpoint is not None
         records = []
-        with (
-            MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics,
-            open(out_dir / "rollouts.jsonl", "a" if append else "w", encoding="utf-8") as rollouts_file,
-        ):
+        rollouts_path = cfg.output.path.parent / "rollouts.jsonl"
+        with rollout_outputs(cfg, rollouts_path, append=checkpoint is not None) as (metrics, rollouts_file):
             self.reporter.start(
                 d.updates, ["update", "step", "loss", "teacher_kl", "clipped", "kl", "lr", "tok/s"], "updates"
             )
@@ -351,7 +345,7 @@ class OnPolicyLoop:
                     if cfg.checkpoint and crossed_every(
                         cfg.checkpoint.every_steps, self.progress["global_step"], m["train/steps"]
                     ):
-                        self._save(step_name(self.progress["global_step"]))
+                        self.save(step_name(self.progress["global_step"]))
                     if stop:
                         break
             finally:
@@ -538,17 +532,12 @@ class OnPolicyLoop:
         )
         line = f"eval update {update + 1}/{d.updates}: teacher_kl {value:.4f} nats/token over {gap.numel()} tokens"
         if outcome.improved and self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
-            self._save("best")
+            self.save("best")
         self.reporter.message(
             f"{line}  best {outcome.best:.4f}"
             + ("" if outcome.improved else f", stale {outcome.stale}/{ev.patience or '∞'}")
         )
         return outcome.stop
-
-    def _save(self, name: str) -> None:
-        self.reporter.message(
-            f"checkpoint {save_state(self.setup, self.optimizer, self.progress, self.signature, name)}"
-        )
 
     def _write_rollouts(self, f, update: int, members: list[Member]) -> None:
         tokenizer = self.setup.model.tokenizer
@@ -703,7 +692,7 @@ def run_offline(cfg: Config, reporter: Reporter, resume) -> DistillResult:
     return result
 
 
-class OfflineLoop:
+class OfflineLoop(RecipeLoop):
     """SFT's loop (epoch plan, packing, checkpoints at steps) with the top-k cross-entropy."""
 
     def __init__(self, cfg: Config, setup: Setup, examples, sidecar: Sidecar, eval_examples, reporter: Reporter):
@@ -792,7 +781,7 @@ class OfflineLoop:
                             and cfg.checkpoint.every_steps
                             and (step + 1) % cfg.checkpoint.every_steps == 0
                         ):
-                            self._save(step_name(step + 1))
+                            self.save(step_name(step + 1))
                     self.progress.update(epoch=epoch + 1, step_in_epoch=0)
                     due = (
                         (epoch + 1) % cfg.evaluation.every_iterations == 0 or epoch + 1 == d.offline_epochs
@@ -855,7 +844,7 @@ class OfflineLoop:
             self.progress, loss, higher_is_better=False, min_delta=ev.min_delta, patience=ev.patience
         )
         if outcome.improved and self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
-            self._save("best")
+            self.save("best")
         self.reporter.row(
             {
                 "epoch": epoch + 1,
@@ -871,11 +860,6 @@ class OfflineLoop:
             + ("" if outcome.improved else f", stale {outcome.stale}/{ev.patience or '∞'}")
         )
         return outcome.stop
-
-    def _save(self, name: str) -> None:
-        self.reporter.message(
-            f"checkpoint {save_state(self.setup, self.optimizer, self.progress, self.signature, name)}"
-        )
 
 
 MODES = {"on_policy": run_on_policy, "topk_offline": run_offline}

@@ -43,10 +43,10 @@ from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts
+from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
 from retrograd.training.scoring import Rollout, micro_batch_logprobs
-from retrograd.training.state import save_state, track_evaluation
+from retrograd.training.state import RecipeLoop
 
 PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer", "adapter_refresh")
 
@@ -155,7 +155,7 @@ def warm_up(setup: Setup) -> dict:
     return {"warm-up (compile + probe step)": (time.perf_counter() - t0, rss_bytes() - r0)}
 
 
-class GRPOLoop:
+class GRPOLoop(RecipeLoop):
     def __init__(self, cfg: Config, setup: Setup, sampler: Sampler, reward, prompts, eval_prompts, reporter: Reporter):
         self.cfg, self.setup, self.sampler, self.reward = cfg, setup, sampler, reward
         self.prompts, self.eval_prompts, self.reporter = prompts, eval_prompts, reporter
@@ -196,13 +196,8 @@ class GRPOLoop:
             f"grpo: updates={g.updates}, grpo_epochs_per_update={g.grpo_epochs}, minibatches={g.minibatches}, "
             f"optimizer_steps={self.total_steps}, prompts={len(self.prompts)}, group_size={g.group_size}"
         )
-        out_dir = cfg.output.path.parent
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.rollouts_path.parent.mkdir(parents=True, exist_ok=True)
-        append = checkpoint is not None
         records: list[UpdateRecord] = []
-        with MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics, \
-                open(self.rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts_file:
+        with rollout_outputs(cfg, self.rollouts_path, append=checkpoint is not None) as (metrics, rollouts_file):
             self.reporter.start(g.updates, ["update", "step", "loss", "reward", "Δreward", "kl", "clip", "lr", "tok/s"], "updates")
             self.reporter.advance(self.progress["update"], "")
             previous_reward = None
@@ -228,7 +223,7 @@ class GRPOLoop:
                     if self._evaluation_due(update):
                         stop = self._evaluate(update, metrics) or stop
                     if cfg.checkpoint and crossed_every(cfg.checkpoint.every_steps, self.progress["global_step"], record.steps):
-                        self._save(step_name(self.progress["global_step"]))
+                        self.save(step_name(self.progress["global_step"]))
                     if stop:
                         break
             finally:
@@ -378,23 +373,11 @@ class GRPOLoop:
     def _evaluate(self, update: int, metrics: MetricsSink) -> bool:
         """Mean reward of one completion per held-out prompt (fixed seeds); best checkpoint
         and patience. Returns True to stop early."""
-        g, ev = self.cfg.grpo, self.cfg.evaluation
+        g = self.cfg.grpo
         requests = [GroupRequest(p.ids, [completion_seed(g.sampling.seed + 1, i, 0)], self.sampling) for i, p in enumerate(self.eval_prompts)]
         completions = [group[0] for group in self.sampler.generate(requests)]
         rewards = self.reward.score([p.text for p in self.eval_prompts], [self._text(c.tokens) for c in completions])
-        mean = float(np.mean(rewards))
-        metrics.log(self.progress["global_step"], {"eval/mean_reward": mean, "eval/reward_min": float(min(rewards)), "eval/reward_max": float(max(rewards)), "train/update": update + 1})
-        line = f"eval update {update + 1}/{g.updates}: mean {mean:.4f}  range [{min(rewards):.3f}, {max(rewards):.3f}]  n={len(rewards)}"
-        outcome = track_evaluation(self.progress, mean, higher_is_better=True, min_delta=ev.min_delta, patience=ev.patience)
-        if outcome.improved:
-            saved = ""
-            if self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
-                self._save("best")
-                saved = " (saved best.gguf)"
-            self.reporter.message(f"{line}  best {mean:.4f} ↑{saved}")
-        else:
-            self.reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
-        return outcome.stop
+        return self.held_out_reward(update, g.updates, rewards, metrics)
 
     def _stalled(self, m: dict) -> bool:
         g = self.cfg.grpo
@@ -403,10 +386,6 @@ class GRPOLoop:
             self.reporter.message(f"stopping: {self.progress['stalled']} updates in a row without a learning signal (grpo.max_stalled_updates)")
             return True
         return False
-
-    def _save(self, name: str) -> None:
-        path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
-        self.reporter.message(f"checkpoint {path}")
 
     def _write_rollouts(self, f, update: int, members: list[Member]) -> None:
         observe = self.cfg.observe

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 from retrograd.memory import PeakMemory, rss_bytes
 from retrograd.training.checkpoint import Checkpoint, check_signature
+from retrograd.training.metrics import MetricsSink
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_step import PolicyOptimizer
 from retrograd.training.state import restore_state
@@ -33,6 +36,20 @@ def resume_rollouts(checkpoint: Checkpoint | None, signature: dict, policy: Poli
     if any(layer.lora_b.abs().sum() > 0 for layer in policy.setup.adapter.layers.values()):
         sampler.set_adapter(policy.setup.adapter)  # resumed or warm-started: sample from it
     return progress
+
+
+@contextmanager
+def rollout_outputs(cfg, rollouts_path: Path, *, append: bool) -> Iterator[tuple[MetricsSink, object]]:
+    """metrics.jsonl beside the output (plus TensorBoard when asked) and rollouts.jsonl, both
+    appended to when the run resumes."""
+    out_dir = cfg.output.path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rollouts_path.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics,
+        open(rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts,
+    ):
+        yield metrics, rollouts
 
 
 def crossed_every(every: int | None, after: int, steps: int) -> bool:

@@ -51,3 +51,31 @@ def track_evaluation(progress: dict, value: float, *, higher_is_better: bool, mi
     progress["stale_evals"] = progress.get("stale_evals", 0) + 1
     stale = progress["stale_evals"]
     return EvalOutcome(False, best, stale, patience is not None and stale >= patience)
+
+
+class RecipeLoop:
+    """What the recipe loops share on top of the functions above. A loop sets cfg, setup,
+    optimizer, progress, signature and reporter before calling these."""
+
+    def save(self, name: str) -> None:
+        path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
+        self.reporter.message(f"checkpoint {path}")
+
+    def held_out_reward(self, update: int, planned: int, rewards: list[float], metrics, extra: dict | None = None) -> bool:
+        """Log a held-out evaluation's rewards (higher is better), keep the best checkpoint
+        when asked, say so in one line. Returns True when patience has run out."""
+        ev, step = self.cfg.evaluation, self.progress["global_step"]
+        mean, low, high = float(sum(rewards) / len(rewards)), float(min(rewards)), float(max(rewards))
+        metrics.log(step, {"eval/mean_reward": mean, "eval/reward_min": low, "eval/reward_max": high,
+                           "train/update": update + 1} | (extra or {}))
+        line = f"eval update {update + 1}/{planned}: mean {mean:.4f}  range [{low:.3f}, {high:.3f}]  n={len(rewards)}"
+        outcome = track_evaluation(self.progress, mean, higher_is_better=True, min_delta=ev.min_delta, patience=ev.patience)
+        if outcome.improved:
+            saved = ""
+            if self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
+                self.save("best")
+                saved = " (saved best.gguf)"
+            self.reporter.message(f"{line}  best {mean:.4f} ↑{saved}")
+        else:
+            self.reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
+        return outcome.stop
