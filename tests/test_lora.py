@@ -64,3 +64,27 @@ def test_same_seed_same_init_and_gradients_reach_every_adapter(tiny):
     assert all(layer.lora_b.grad is not None and layer.lora_b.grad.abs().sum() > 0 for layer in a2.layers.values())
     assert not any(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in model.transformer.buffers())
     assert len(frozen_linears(model.transformer)) == 14  # still found inside their LoRA wrappers
+
+
+def test_a_small_delta_survives_bf16_compute():
+    """In bf16 compute the adapter's output is added in float32: a delta of 1e-4 relative to
+    the frozen output, far below bf16's resolution, still reaches the result."""
+    from gguf import GGMLQuantizationType as QT
+
+    from retrograd.kernels.frozen import FrozenWeight
+    from retrograd.lora import LoRALinear
+    from retrograd.model.transformer import FrozenLinear
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 32, generator=g)
+    layer = LoRALinear(FrozenLinear(FrozenWeight("w", weight, QT.F32, (16, 32)), None), 4, 4.0, g)
+    x = torch.randn(8, 32, generator=g)
+    with torch.no_grad():
+        layer.lora_b.copy_(torch.randn(16, 4, generator=g))
+        base = layer.base(x.bfloat16()).float()  # [8, 16]
+        expected = 1e-4 * (x.bfloat16().float() @ layer.lora_a.T @ layer.lora_b.T) / 4.0 * layer.scale  # [8, 16]
+        layer.lora_b.mul_(1e-4 / 4.0)
+        out = layer(x.bfloat16())
+    assert out.dtype == torch.float32
+    assert torch.allclose(out - base, expected, rtol=0.05, atol=1e-6)
+    assert (out.bfloat16().float() - base).abs().max() < expected.abs().max()  # what bf16 alone would keep
