@@ -1,5 +1,5 @@
 """`retrograd distill-teacher CONFIG.toml`: write the teacher's top-k sidecar for offline
-distillation (the work is retrograd.recipes.distill.write_teacher_topk; this only wires it)."""
+distillation (the work is retrograd.recipes.distill.offline.write_teacher_topk; this only wires it)."""
 
 from __future__ import annotations
 
