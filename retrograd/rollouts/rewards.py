@@ -21,6 +21,7 @@ failure kills its whole process group, so what it spawned dies with it.
 
 from __future__ import annotations
 
+import abc
 import importlib
 import importlib.util
 import json
@@ -56,11 +57,12 @@ class RewardError(RetrogradError):
     """A reward program or function failed, or cannot be set up; the message names it and the cause."""
 
 
-class Reward:
+class Reward(abc.ABC):
     """One batch in, one finite reward per completion out, in order."""
 
+    @abc.abstractmethod
     def score(self, prompts: list[str], completions: list[str]) -> list[float]:
-        raise NotImplementedError
+        """The rewards of `completions` (each answering the prompt at the same index)."""
 
     def close(self) -> None:
         """Release what the reward holds (a worker process); scoring again afterwards starts afresh."""

@@ -4,6 +4,7 @@ scenario files and setup, verify, workspace reset and close. The backends
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import posixpath
@@ -49,7 +50,7 @@ class ExecResult:
     truncated: bool = False  # stdout or stderr went past max_output_bytes
 
 
-class Sandbox:
+class Sandbox(abc.ABC):
     """One trajectory's private machine. One call at a time: a trajectory acts in
     sequence, and a timeout kill may take down everything running in the sandbox.
     `workdir` is the workspace as commands see it (`/work` except for `local`)."""
@@ -120,11 +121,13 @@ class Sandbox:
         result = self.exec(["sh", "-c", WIPE_SCRIPT, "sh", self.workdir, self.tmpdir], timeout=30)
         return result.exit_code == 0 and not result.timed_out
 
+    @abc.abstractmethod
     def _exec(self, argv: tuple[str, ...], stdin: bytes, timeout: float) -> ExecResult:
-        raise NotImplementedError
+        """Run argv in the sandbox (the backend's own way), bounded by `timeout` and the limits."""
 
+    @abc.abstractmethod
     def destroy(self) -> None:
-        raise NotImplementedError
+        """Remove the sandbox and everything it started."""
 
 
 def _first_line(data: bytes) -> str:
