@@ -47,12 +47,11 @@ from retrograd.rollouts.scenarios import Scenario, load_scenarios
 from retrograd.rollouts.tools import ToolCatalog
 from retrograd.sampler import Sampler, SamplerOptions
 from retrograd.training.batches import LogprobOptions
-from retrograd.training.checkpoint import step_name
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts, rollout_outputs
+from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
 from retrograd.training.scoring import Rollout
 from retrograd.training.state import RecipeLoop
@@ -213,8 +212,7 @@ class AgentLoop(RecipeLoop):
                     })
                     self.reporter.advance(update + 1, f"reward={m['reward/mean']:.3f}" + (f" loss={self.totals.last_loss:.4f}" if self.totals.losses else ""))
                     halt = self._evaluate(update, metrics) if self._evaluation_due(update) else False
-                    if cfg.checkpoint and crossed_every(cfg.checkpoint.every_steps, self.progress["global_step"], record.steps):
-                        self.save(step_name(self.progress["global_step"]))
+                    self.save_if_crossed(record.steps)
                     if halt:
                         break
             finally:

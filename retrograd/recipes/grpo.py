@@ -38,12 +38,11 @@ from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, ro
 from retrograd.rollouts.rewards import make_reward
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.training.batches import LogprobOptions
-from retrograd.training.checkpoint import step_name
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts, rollout_outputs
+from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
 from retrograd.training.scoring import Rollout, micro_batch_logprobs
 from retrograd.training.state import RecipeLoop
@@ -222,8 +221,7 @@ class GRPOLoop(RecipeLoop):
                     stop = self._stalled(m)
                     if self._evaluation_due(update):
                         stop = self._evaluate(update, metrics) or stop
-                    if cfg.checkpoint and crossed_every(cfg.checkpoint.every_steps, self.progress["global_step"], record.steps):
-                        self.save(step_name(self.progress["global_step"]))
+                    self.save_if_crossed(record.steps)
                     if stop:
                         break
             finally:

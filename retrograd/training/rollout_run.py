@@ -1,6 +1,6 @@
 """What the rollout recipes (grpo, agent_grpo, distill's on_policy mode) share around an
-update: resuming into a live sampler, the per-update timing / memory / throughput metrics,
-and whether an update's optimizer steps crossed a checkpoint boundary."""
+update: resuming into a live sampler, the run's output files, and the per-update timing /
+memory / throughput metrics."""
 
 from __future__ import annotations
 
@@ -50,11 +50,6 @@ def rollout_outputs(cfg, rollouts_path: Path, *, append: bool) -> Iterator[tuple
         open(rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts,
     ):
         yield metrics, rollouts
-
-
-def crossed_every(every: int | None, after: int, steps: int) -> bool:
-    """Did the `steps` optimizer steps that ended at step `after` pass a multiple of `every`?"""
-    return bool(every) and after // every > (after - steps) // every
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from retrograd.training.checkpoint import Checkpoint, restore_rng, save_checkpoint
+from retrograd.training.checkpoint import Checkpoint, restore_rng, save_checkpoint, step_name
 
 
 def save_state(setup, optimizer: torch.optim.Optimizer, progress: dict, signature: dict, name: str) -> Path:
@@ -60,6 +60,13 @@ class RecipeLoop:
     def save(self, name: str) -> None:
         path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
         self.reporter.message(f"checkpoint {path}")
+
+    def save_if_crossed(self, steps: int) -> None:
+        """A step-N checkpoint when the update's `steps` optimizer steps, ending at the current
+        global step, passed a multiple of checkpoint.every_steps."""
+        every, after = self.cfg.checkpoint and self.cfg.checkpoint.every_steps, self.progress["global_step"]
+        if every and after // every > (after - steps) // every:
+            self.save(step_name(after))
 
     def held_out_reward(self, update: int, planned: int, rewards: list[float], metrics, extra: dict | None = None) -> bool:
         """Log a held-out evaluation's rewards (higher is better), keep the best checkpoint

@@ -51,7 +51,7 @@ from retrograd.teacher import (
     write_sidecar,
 )
 from retrograd.training.batches import LogprobOptions, pack
-from retrograd.training.checkpoint import check_signature, file_fingerprint, step_name
+from retrograd.training.checkpoint import check_signature, file_fingerprint
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
@@ -273,12 +273,7 @@ class OfflineLoop(RecipeLoop):
                                 "tok/s": m["train/tokens_per_second"],
                             }
                         )
-                        if (
-                            cfg.checkpoint
-                            and cfg.checkpoint.every_steps
-                            and (step + 1) % cfg.checkpoint.every_steps == 0
-                        ):
-                            self.save(step_name(step + 1))
+                        self.save_if_crossed(1)
                     self.progress.update(epoch=epoch + 1, step_in_epoch=0)
                     due = (
                         (epoch + 1) % cfg.evaluation.every_iterations == 0 or epoch + 1 == d.offline_epochs

@@ -44,12 +44,11 @@ from retrograd.teacher import (
     pack_rollouts,
 )
 from retrograd.training.batches import LogprobOptions
-from retrograd.training.checkpoint import step_name
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_run import RunTotals, crossed_every, resume_rollouts, rollout_outputs
+from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
 from retrograd.training.scoring import Rollout, plan, rollout_logprobs
 from retrograd.training.state import RecipeLoop, track_evaluation
@@ -203,10 +202,7 @@ class OnPolicyLoop(RecipeLoop):
                     stop = False
                     if self.eval_prompts and self._evaluation_due(update):
                         stop = self._evaluate(update, metrics)
-                    if cfg.checkpoint and crossed_every(
-                        cfg.checkpoint.every_steps, self.progress["global_step"], m["train/steps"]
-                    ):
-                        self.save(step_name(self.progress["global_step"]))
+                    self.save_if_crossed(m["train/steps"])
                     if stop:
                         break
             finally:
