@@ -2,8 +2,6 @@
 then the bench must see it beat the base on its own training data, agree with llama.cpp's
 log-probs example by example, and stop bad input with one line."""
 
-import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from chats import write_chat
 from llama_ref import llama_logits
 from rich.console import Console
 
@@ -26,17 +25,6 @@ from retrograd.training.report import SilentReporter
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 
 
-def write_chat(path: Path, n: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            msgs = [
-                {"role": "user", "content": f"What is {a} + {b}?"},
-                {"role": "assistant", "content": f"{a}+{b}={a + b}"},
-            ]
-            f.write(json.dumps({"messages": msgs}) + "\n")
-    return path
 
 
 def write_config(folder: Path, model: Path, output: str = "out/adapter.gguf") -> Path:

@@ -2,8 +2,6 @@
 against the model's own logits, the `.topk` sidecar's round trip, and every bad input of
 `retrograd distill-teacher` / an offline run stopping with one line and exit code 2."""
 
-import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from chats import write_chat
 
 import retrograd
 from retrograd.errors import ConfigError, DataError
@@ -29,17 +28,6 @@ from retrograd.training.scoring import Rollout
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 
 
-def write_chat(path: Path, n: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            msgs = [
-                {"role": "user", "content": f"What is {a} + {b}?"},
-                {"role": "assistant", "content": f"{a}+{b}={a + b}"},
-            ]
-            f.write(json.dumps({"messages": msgs}) + "\n")
-    return path
 
 
 def write_config(

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from chats import write_chat
+from llama_ref import agreement, llama_logits
 
 import retrograd
-from llama_ref import agreement, llama_logits
 from retrograd.config import load_config
 from retrograd.gguf.adapter import read_adapter
 from retrograd.lora import attach_lora
@@ -25,14 +25,6 @@ from retrograd.training.report import SilentReporter
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 
 
-def write_chat(path: Path, n: int, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            msgs = [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
-            f.write(json.dumps({"messages": msgs}) + "\n")
-    return path
 
 
 def write_config(tmp: Path, model: Path, *, extra: str = "", training: str = "", checkpoint: str = "") -> Path:
