@@ -1,7 +1,8 @@
 """Log-probabilities of chosen token ids under a huge frozen output head, never as [N, V] logits.
 
 SFT cross-entropy, GRPO and distillation all need log_softmax(z)[n, ids[n, k]] with
-z = softcap(hidden @ W^T). Done densely at Gemma-3 scale (V = 262144, N = 2048) the float32
+z = softcap(hidden @ W^T) / temperature (the rollout algorithms score tokens at the temperature
+they were sampled at; everything else at 1). Done densely at Gemma-3 scale (V = 262144, N = 2048) the float32
 logits alone take 2 GiB, and the softmax and its gradient as much again each. Here the
 vocabulary streams by in tiles and the tokens in chunks, so only one
 `token_chunk x vocab_tile` block of logits exists at a time:
@@ -57,6 +58,7 @@ class LogprobStats:
 class _Plan:
     compute_dtype: torch.dtype
     softcap: float
+    temperature: float
     vocab_tile: int
     token_chunk: int
     entropy: bool
@@ -74,7 +76,7 @@ def _check(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _P
     assert ids.dim() == 2 and ids.shape[0] == hidden.shape[0], f"ids {list(ids.shape)} vs hidden {list(hidden.shape)}"
     assert ids.dtype == torch.long, f"ids must be int64, got {ids.dtype}"
     assert ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < n_vocab), f"ids outside [0, {n_vocab})"
-    assert plan.softcap >= 0 and plan.vocab_tile > 0 and plan.token_chunk > 0, plan
+    assert plan.softcap >= 0 and plan.temperature > 0 and plan.vocab_tile > 0 and plan.token_chunk > 0, plan
     assert 0 <= plan.topk <= n_vocab, f"topk {plan.topk} > vocab {n_vocab}"
 
 
@@ -95,7 +97,7 @@ class _Blocks:
         self._scratch = torch.empty(size, dtype=plan.sum_dtype, device=device)
 
     def logits(self, hidden: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
-        """softcap(hidden @ tile^T) -> [c, t] in sum_dtype, written into the logits buffer."""
+        """softcap(hidden @ tile^T) / temperature -> [c, t] in sum_dtype, written into the logits buffer."""
         z = self._logits[: hidden.shape[0] * tile.shape[0]].view(hidden.shape[0], tile.shape[0])  # [c, t]
         if hidden.dtype == z.dtype:
             torch.mm(hidden, tile.T, out=z)
@@ -103,6 +105,8 @@ class _Blocks:
             z.copy_(hidden @ tile.T)
         if self.plan.softcap > 0:
             z.div_(self.plan.softcap).tanh_().mul_(self.plan.softcap)
+        if self.plan.temperature != 1.0:
+            z.div_(self.plan.temperature)
         return z
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
@@ -184,13 +188,15 @@ def _stream_backward(
     for start, stop in _spans(head.shape[0], plan.vocab_tile):
         tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
         for r0, r1 in _spans(n_rows, plan.token_chunk):
-            z = blocks.logits(h[r0:r1], tile)  # [c, t] after softcap
+            z = blocks.logits(h[r0:r1], tile)  # [c, t] after softcap and temperature
             dz = torch.sub(z, lse[r0:r1, None], out=blocks.scratch(z)).exp_()  # [c, t] softmax
             dz.mul_(-g_total[r0:r1])  # [c, t] -(sum_k g_k) softmax
             local, inside = _local_ids(ids[r0:r1], start, stop - start)  # [c, K]
-            dz.scatter_add_(1, local, torch.where(inside, g[r0:r1], 0.0))  # + g at ids
-            if plan.softcap > 0:  # d(cap tanh(x/cap))/dx = 1 - tanh^2
-                dz.mul_(z.div_(plan.softcap).square_().neg_().add_(1.0))
+            dz.scatter_add_(1, local, torch.where(inside, g[r0:r1], 0.0))  # + g at ids: d/d(z / T)
+            if plan.temperature != 1.0:
+                dz.div_(plan.temperature)  # d/d(softcapped z)
+            if plan.softcap > 0:  # d(cap tanh(x/cap))/dx = 1 - tanh^2, tanh = z T / cap
+                dz.mul_(z.div_(plan.softcap / plan.temperature).square_().neg_().add_(1.0))
             grad_hidden[r0:r1] += (dz.to(plan.compute_dtype) @ tile).to(plan.sum_dtype)  # [c, E]
         del tile
     return grad_hidden.to(hidden.dtype)
@@ -222,17 +228,20 @@ def gather_logprobs(
     *,
     compute_dtype: torch.dtype = torch.float32,
     softcap: float = 0.0,
+    temperature: float = 1.0,
     vocab_tile: int = VOCAB_TILE,
     token_chunk: int = TOKEN_CHUNK,
     entropy: bool = False,
     topk: int = 0,
 ) -> tuple[torch.Tensor, LogprobStats]:
-    """log_softmax(softcap(hidden @ W^T))[n, ids[n, k]] -> ([N, K], stats), streamed over tiles.
+    """log_softmax(softcap(hidden @ W^T) / temperature)[n, ids[n, k]] -> ([N, K], stats), streamed
+    over tiles.
 
     hidden `[N, E]` holds only the positions that carry loss; ids `[N, K]` may repeat. The result
     is differentiable w.r.t. hidden; the head gets no gradient. softcap > 0 means z -> cap*tanh(z/cap).
+    The entropy and top-k extras are of the same tempered distribution.
     """
-    plan = _Plan(compute_dtype, float(softcap), vocab_tile, token_chunk, entropy, topk)
+    plan = _Plan(compute_dtype, float(softcap), float(temperature), vocab_tile, token_chunk, entropy, topk)
     _check(hidden, head, ids, plan)
     logprobs, *extras = _ChunkedLogprobs.apply(hidden, head, ids, plan)
     return logprobs, LogprobStats(*extras)
@@ -245,6 +254,7 @@ def dense_gather_logprobs(
     *,
     compute_dtype: torch.dtype = torch.float32,
     softcap: float = 0.0,
+    temperature: float = 1.0,
     vocab_tile: int = VOCAB_TILE,
     token_chunk: int = TOKEN_CHUNK,
     entropy: bool = False,
@@ -254,12 +264,12 @@ def dense_gather_logprobs(
 
     Takes the tiling arguments only so the two paths are interchangeable; it ignores them.
     """
-    plan = _Plan(compute_dtype, float(softcap), vocab_tile, token_chunk, entropy, topk)
+    plan = _Plan(compute_dtype, float(softcap), float(temperature), vocab_tile, token_chunk, entropy, topk)
     _check(hidden, head, ids, plan)
     z = (hidden.to(compute_dtype) @ head.dense(compute_dtype).to(hidden.device).T).to(plan.sum_dtype)  # [N, V]
     if plan.softcap > 0:
         z = plan.softcap * torch.tanh(z / plan.softcap)
-    logp = torch.log_softmax(z, dim=-1)  # [N, V]
+    logp = torch.log_softmax(z / plan.temperature, dim=-1)  # [N, V]
     full = logp.detach()  # [N, V]
     top_logprobs, top_ids = full.topk(topk, dim=-1)  # [N, k]
     stats = LogprobStats(

@@ -284,6 +284,14 @@ ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe"), "agent_grpo"
 REQUIRED_SECTIONS = ("run", "output")
 DEFAULTED_SECTIONS = ("model", "lora", "training", "metrics")
 ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "fast_sampling_context", "kv_dtype")
+# Passes over the data of one update, per rollout algorithm: training.epochs is SFT's.
+ROLLOUT_EPOCH_KEYS = {"grpo": "grpo.grpo_epochs", "agent_grpo": "agent.epochs_per_update",
+                      "distill": "distill.distill_epochs (on_policy) or distill.offline_epochs (topk_offline)"}
+# Rust retrograd keys that have nothing to do here: accepted, so its configs run unchanged, with a note.
+ACCEPTED_WITH_NOTE = {
+    "training.master_weights": "the LoRA weights are always float32 and the base stays frozen, so there is no master copy to keep",
+    "training.shared_prefix_fanout": "a group's prompt is always packed once and shared by its completions",
+}
 
 
 @dataclass(frozen=True)
@@ -303,6 +311,7 @@ class Config:
     evaluation: EvaluationSection | None = None
     checkpoint: CheckpointSection | None = None
     explicit: frozenset[str] = frozenset()  # "section.key" names the file set
+    notes: tuple[str, ...] = ()  # one line per key accepted but ignored (ACCEPTED_WITH_NOTE)
 
     def with_overrides(self, *, model: Path | None = None, device: str | None = None) -> Config:
         """`--model` / `--device` win over the file (CLI paths are relative to the cwd)."""
@@ -354,6 +363,7 @@ def parse_config(doc: dict, path: Path) -> Config:
             problems.append(f"{name}: expected a [{name}] table")
 
     explicit: set[str] = set()
+    notes: list[str] = []
     sections: dict[str, Any] = {}
     for name in COMMON_SECTIONS + own:
         table = doc.get(name)
@@ -365,13 +375,16 @@ def parse_config(doc: dict, path: Path) -> Config:
                 continue
             table = {}
         if isinstance(table, dict):
+            ignored = {k for k in table if f"{name}.{k}" in ACCEPTED_WITH_NOTE}
+            notes += [f"{name}.{k} is accepted and ignored: {ACCEPTED_WITH_NOTE[f'{name}.{k}']}" for k in sorted(ignored)]
+            table = {k: v for k, v in table.items() if k not in ignored}
             sections[name] = _parse_section(SECTION_TYPES[name], table, name, base, problems, explicit)
 
     if not problems:
         _cross_checks(sections, algorithm, explicit, problems)
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))
-    return Config(path=path.resolve(), explicit=frozenset(explicit), **sections)
+    return Config(path=path.resolve(), explicit=frozenset(explicit), notes=tuple(notes), **sections)
 
 
 def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[str]) -> None:
@@ -382,8 +395,14 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
                 problems.append(f"training.{k} applies to rollout algorithms (grpo, agent_grpo, distill), not sft")
     if "training.checkpoint_dtype" in explicit and not training.gradient_checkpointing:
         problems.append("training.checkpoint_dtype needs training.gradient_checkpointing = true")
-    if algorithm in ("grpo", "agent_grpo", "distill") and "training.gradient_accumulation" in explicit:
+    distill: DistillSection | None = s.get("distill")
+    offline = distill is not None and distill.mode == "topk_offline"
+    if algorithm in ROLLOUT_EPOCH_KEYS and "training.epochs" in explicit:
+        problems.append(f"training.epochs does not apply to {algorithm}: set {ROLLOUT_EPOCH_KEYS[algorithm]}")
+    if algorithm in ("grpo", "agent_grpo", "distill") and not offline and "training.gradient_accumulation" in explicit:
         problems.append(f"training.gradient_accumulation does not apply to {algorithm}: one optimizer step per minibatch (grpo.minibatches)")
+    if training.require_gpu_resident and s["model"].device == "cpu":
+        problems.append("training.require_gpu_resident = true with model.device = 'cpu': nothing would run on a GPU")
     grpo: GRPOSection | None = s.get("grpo")
     if grpo is not None:
         if (grpo.reward_command is None) == (grpo.reward_function is None):
@@ -400,18 +419,27 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append("grpo.reward_mode applies to reward_command, not reward_function")
         if grpo.minibatches > grpo.prompts_per_update * grpo.group_size:
             problems.append(f"grpo.minibatches = {grpo.minibatches} is more than the {grpo.prompts_per_update * grpo.group_size} completions of an update")
-    distill: DistillSection | None = s.get("distill")
+        if grpo.sampling.top_p < 1 and grpo.tis_cap is None:
+            problems.append(_truncated_sampling("grpo.sampling.top_p", grpo.sampling.top_p, "set grpo.tis_cap (e.g. 2) to correct for the truncation"))
     if distill is not None:
         on_policy = distill.mode == "on_policy"
         for k in OFFLINE_ONLY if on_policy else ON_POLICY_ONLY:
             if f"distill.{k}" in explicit:
                 problems.append(f"distill.{k} applies to mode = {'topk_offline' if on_policy else 'on_policy'}, not {distill.mode}")
-        needed = ("prompts", "updates", "prompts_per_update", "sampling") if on_policy else ("data", "sidecar")
+        needed = ("prompts", "updates", "prompts_per_update", "sampling") if on_policy else ("data",)
         for k in needed:
             if getattr(distill, k) is None:
                 problems.append(f"distill.{k} is required with mode = {distill.mode!r}")
+        if on_policy and distill.loss == "reverse_kl":
+            for k in ("topk", "jsd_beta"):
+                if f"distill.{k}" in explicit:
+                    problems.append(f"distill.{k} applies to loss = 'jsd' (the reverse KL scores the sampled token only), not {distill.loss!r}")
         if on_policy and distill.sampling and distill.sampling.max_new_tokens >= training.ctx:
             problems.append(f"distill.sampling.max_new_tokens = {distill.sampling.max_new_tokens} leaves no room for a prompt in training.ctx = {training.ctx}")
+        if on_policy and distill.sampling and distill.sampling.top_p < 1:
+            problems.append(_truncated_sampling("distill.sampling.top_p", distill.sampling.top_p))
+        if not on_policy and distill.sidecar is None and distill.data is not None:
+            s["distill"] = dataclasses.replace(distill, sidecar=distill.data.with_suffix(".topk"))
     agent: AgentSection | None = s.get("agent")
     if agent is not None:
         if agent.clip_range_high < agent.clip_range_low:
@@ -420,6 +448,8 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append(f"agent.max_trajectory_tokens = {agent.max_trajectory_tokens} is more than training.ctx = {training.ctx}")
         if not agent.environment and agent.judge is None:
             problems.append("[agent] needs [agent.environment], [agent.judge] or both")
+        if agent.top_p < 1:
+            problems.append(_truncated_sampling("agent.top_p", agent.top_p))
     ckpt: CheckpointSection | None = s.get("checkpoint")
     if ckpt is not None:
         steps_mode = ckpt.mode in ("steps", "steps_and_best_eval")
@@ -431,6 +461,12 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append(f"checkpoint.mode = {ckpt.mode!r} needs an [evaluation] section")
         if ckpt.resume_from is not None and s["lora"].init_adapter is not None:
             problems.append("checkpoint.resume_from and lora.init_adapter exclude each other")
+
+
+def _truncated_sampling(key: str, value: float, remedy: str = "") -> str:
+    """A nucleus-truncated rollout is sampled from a policy other than the one trained (README: sampling rule)."""
+    return (f"{key} = {value}: training rollouts must be sampled from the whole tempered distribution, the policy "
+            f"being trained; set {key} = 1 (lower the temperature instead){' or ' + remedy if remedy else ''}")
 
 
 def _parse_section(cls, table: dict, section: str, base: Path, problems: list[str], explicit: set[str]):

@@ -24,3 +24,11 @@ class DataError(RetrogradError):
 
 class DeviceError(RetrogradError):
     pass
+
+
+class TrainingDiverged(RetrogradError):
+    """The loss or the KL to the reference stopped being finite or sane. The run stops
+    before the adapter takes the step, its checkpoints stay as they are, and the exit
+    status is 1: the input was valid, the optimisation failed."""
+
+    exit_code = 1

@@ -63,6 +63,15 @@ class PreflightReport:
         return out
 
 
+def off_device(device: torch.device, *, sampling: bool) -> list[str]:
+    """What would fall back to the CPU when training on a GPU: preflight's report, and
+    training.require_gpu_resident's check at the start of a run (`sampling`: the run
+    generates rollouts with llama.cpp). Nothing when the device is the CPU itself."""
+    if device.type != "cpu" and sampling and not C.llama_supports_gpu_offload():
+        return ["rollout generation (this llama-cpp-python build has no GPU backend: llama.cpp samples on the CPU)"]
+    return []
+
+
 def run_preflight(
     path: Path | None,
     device: torch.device,
@@ -97,9 +106,6 @@ def run_preflight(
     if unreached:
         notes.append(f"{len(unreached)} LoRA weights received no gradient (first: {unreached[0]})")
 
-    off_device = []
-    if device.type != "cpu" and not C.llama_supports_gpu_offload():
-        off_device.append("rollout generation (this llama-cpp-python build has no GPU backend: llama.cpp samples on the CPU)")
 
     n_lora = adapter.n_parameters()
     compute_bytes = 2 if compute_dtype == "bf16" else 4
@@ -120,7 +126,7 @@ def run_preflight(
         probe_tokens=len(ids) - 1,
         probe_seconds=seconds,
         probe_loss=float(loss),
-        off_device=tuple(off_device),
+        off_device=tuple(off_device(device, sampling=True)),
         notes=tuple(notes),
         ctx=ctx,
         micro_batch=micro_batch,

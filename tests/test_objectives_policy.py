@@ -114,7 +114,7 @@ def test_loss_and_gradient_match_the_reference(level, normalization, extras, adv
     assert abs(loss.item() - expected.item()) <= 1e-12
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
     assert diagnostics["policy/total_loss"] == pytest.approx(
-        diagnostics["policy/surrogate_loss"] + beta * diagnostics["policy/kl"], abs=1e-12
+        diagnostics["policy/surrogate_loss"] + beta * diagnostics["policy/kl_loss"], abs=1e-12
     )
     assert (grad[~data["mask"]] == 0).all()
 
@@ -298,6 +298,36 @@ def test_kl_is_k3_clamped_at_five():
     _, diag = policy_loss(logp, logp, torch.tensor([0.0]), mask, counts, options, beta=1.0, ref_logp=ref)
     expected = sum(math.exp(d) - d - 1 for d in (0.5, -5.0, 5.0)) / 3
     assert diag["policy/kl"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("normalization", ["budget", "token", "sequence"])
+def test_kl_metric_is_the_per_token_mean_whatever_the_normalization(normalization):
+    """policy/kl is what the KL controller and the divergence guard read: the mean k3 over
+    the completion tokens, the same number under every loss normalisation and however the
+    minibatch is cut into micro-batches; only policy/kl_loss (its share of the loss) moves."""
+    data = fixed_batch()
+    live = data["mask"]
+    d = (data["ref"] - data["logp"]).clamp(-5, 5)
+    expected = (d.exp() - d - 1)[live].mean().item()
+    counts = MinibatchCounts(live.shape[0], int(live.sum()), BUDGET)
+    options = PolicyLossOptions(LOW, HIGH, loss_normalization=normalization)
+    parts = []
+    for rows in (slice(0, 1), slice(1, None)):
+        _, diag = policy_loss(data["logp"][rows], data["old"][rows], data["adv"][rows], live[rows], counts, options,
+                              beta=0.1, ref_logp=data["ref"][rows])
+        parts.append(diag)
+    merged = merge_diagnostics(parts)
+    assert merged["policy/kl"] == pytest.approx(expected, rel=1e-12)
+    weights = {"budget": 1 / (counts.n_sequences * BUDGET), "token": 1 / counts.n_tokens}.get(normalization)
+    if weights is not None:  # the loss share is the normalised sum, not the mean
+        assert merged["policy/kl_loss"] == pytest.approx((d.exp() - d - 1)[live].sum().item() * weights, rel=1e-12)
+
+
+def test_kl_metric_is_absent_without_a_reference():
+    data = fixed_batch()
+    counts = MinibatchCounts(data["mask"].shape[0], int(data["mask"].sum()), BUDGET)
+    _, diag = policy_loss(data["logp"], data["old"], data["adv"], data["mask"], counts, PolicyLossOptions(LOW, HIGH))
+    assert "policy/kl" not in diag and diag["policy/kl_loss"] == 0.0
 
 
 def test_unknown_normalization_names_the_key():

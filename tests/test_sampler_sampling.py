@@ -16,15 +16,43 @@ def frequencies(sampling: Sampling, draws: int = 20000) -> np.ndarray:
     return counts / draws
 
 
-def test_temperature_reshapes_and_logprob_stays_at_temperature_one():
-    p = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
+P = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
+
+
+def tempered(t: float) -> np.ndarray:
+    return P ** (1 / t) / (P ** (1 / t)).sum()
+
+
+def test_temperature_reshapes_the_distribution():
     for t in (1.0, 0.5, 2.0):
-        expected = p ** (1 / t) / (p ** (1 / t)).sum()
-        assert np.abs(frequencies(Sampling(4, temperature=t)) - expected).max() < 0.015
+        assert np.abs(frequencies(Sampling(4, temperature=t)) - tempered(t)).max() < 0.015
+
+
+@pytest.mark.parametrize("t", [0.3, 0.7, 1.0, 2.0])
+def test_logprob_is_the_tempered_softmax(t):
+    """The policy that produced the token: log_softmax(logits / T), not the T = 1 value."""
     rng = np.random.default_rng(1)
-    for t, top_p in ((0.3, 1.0), (2.0, 0.6)):
+    for _ in range(50):
+        token, logprob = sample_token(LOGITS, Sampling(4, temperature=t), rng)
+        assert logprob == pytest.approx(np.log(tempered(t)[token]), abs=1e-6)
+        if t != 1.0:
+            assert abs(logprob - np.log(P[token])) > 1e-3
+
+
+@pytest.mark.parametrize("t,top_p,kept", [(1.0, 0.8, 3), (2.0, 0.6, 3), (0.5, 0.9, 2)])
+def test_nucleus_logprob_is_renormalised_over_the_kept_tokens(t, top_p, kept):
+    """With top_p < 1 the token comes from the nucleus, renormalised: that is its
+    behaviour probability (what truncated importance sampling corrects against)."""
+    q = tempered(t)  # already sorted, most likely first
+    assert np.searchsorted(np.cumsum(q), top_p) + 1 == kept  # the nucleus this case means
+    nucleus = q[:kept] / q[:kept].sum()
+    rng = np.random.default_rng(2)
+    seen = set()
+    for _ in range(200):
         token, logprob = sample_token(LOGITS, Sampling(4, temperature=t, top_p=top_p), rng)
-        assert logprob == pytest.approx(np.log(p[token]), abs=1e-6)  # full softmax, temperature 1
+        assert token < kept and logprob == pytest.approx(np.log(nucleus[token]), abs=1e-6)
+        seen.add(token)
+    assert seen == set(range(kept))
 
 
 def test_top_p_keeps_the_smallest_nucleus():

@@ -3,6 +3,7 @@ with an exact assistant loss mask, and prompt files for GRPO and distillation.""
 
 from retrograd.data.prompts import Prompt, load_prompts
 from retrograd.data.sft import Example, SFTData, load_sft
+from retrograd.data.subset import evenly_spaced
 from retrograd.data.template import CHAT_TEMPLATES, ChatFormat, resolve_chat_template
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "Example",
     "Prompt",
     "SFTData",
+    "evenly_spaced",
     "load_prompts",
     "load_sft",
     "resolve_chat_template",

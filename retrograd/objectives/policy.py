@@ -119,11 +119,13 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch and its diagnostics; see the module docstring.
 
-    Diagnostics: policy/surrogate_loss, policy/kl and policy/total_loss (= surrogate +
-    beta * kl = the loss) are this micro-batch's share of the minibatch value; the
-    fractions and the ratio mean cover this call's active tokens (policy/active_tokens;
-    under GSPO each token carries its sequence's ratio); merge micro-batches with
-    `merge_diagnostics`."""
+    Diagnostics: policy/surrogate_loss, policy/kl_loss and policy/total_loss (= surrogate +
+    beta * kl_loss = the loss) are this micro-batch's share of the minibatch value, under
+    the loss normalisation; policy/kl (with a reference only) is the mean k3 estimate per
+    active token, whatever the normalisation, the number the adaptive KL controller and the
+    divergence guard read; the fractions and the ratio mean cover this call's active tokens
+    too (policy/active_tokens; under GSPO each token carries its sequence's ratio); merge
+    micro-batches with `merge_diagnostics`."""
     assert logp.shape == old_logp.shape == mask.shape, (logp.shape, old_logp.shape, mask.shape)
     assert beta == 0.0 or ref_logp is not None, "beta > 0 needs ref_logp"
     assert (options.tis_cap is None) == (sampler_logp is None), "tis_cap and sampler_logp go together"
@@ -164,7 +166,7 @@ def policy_loss(
         live_ratios = ratio[active]  # [n_active]
         diagnostics = {
             "policy/surrogate_loss": surrogate_loss.item(),
-            "policy/kl": kl_loss.item(),
+            "policy/kl_loss": kl_loss.item(),
             "policy/total_loss": loss.item(),
             "policy/clip_fraction": int((clipped_high | clipped_low | clipped_dual).sum()) / n_active,
             "policy/clip_low_fraction": int(clipped_low.sum()) / n_active,
@@ -175,6 +177,8 @@ def policy_loss(
             "policy/ratio_max": live_ratios.max().item(),
             "policy/active_tokens": float(n_active),
         }
+        if ref_logp is not None:
+            diagnostics["policy/kl"] = kl[active].double().mean().item()
         if options.tis_cap is not None:
             diagnostics["policy/tis_weight_mean"] = tis[active].mean().item()
             diagnostics["policy/tis_capped_fraction"] = int((tis[active] >= options.tis_cap).sum()) / n_active
@@ -185,8 +189,9 @@ def policy_loss(
 # token-weighted means, extremes stay extremes.
 MERGE_RULES = {
     "policy/surrogate_loss": "sum",
-    "policy/kl": "sum",
+    "policy/kl_loss": "sum",
     "policy/total_loss": "sum",
+    "policy/kl": "token_mean",
     "policy/active_tokens": "sum",
     "policy/clip_fraction": "token_mean",
     "policy/clip_low_fraction": "token_mean",

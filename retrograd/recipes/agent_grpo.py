@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import ChatFormat
+from retrograd.data import ChatFormat, evenly_spaced
 from retrograd.errors import RetrogradError
 from retrograd.memory import rss_bytes
 from retrograd.objectives.advantages import group_advantages
@@ -49,10 +49,10 @@ from retrograd.sampler import Sampler, SamplerOptions
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
-from retrograd.training.optim import build_optimizer
+from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
-from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
+from retrograd.training.rollout_step import PolicyOptimizer, TrainSample
 from retrograd.training.scoring import Rollout
 from retrograd.training.state import RecipeLoop
 
@@ -112,10 +112,9 @@ def open_task(cfg: Config) -> AgentTask:
     scenarios = load_scenarios(a.scenarios, catalog, judged=a.judge is not None, system_suffix=a.system_suffix)
     eval_scenarios = ()
     if cfg.evaluation is not None:  # environment reward only, so every held-out scenario needs verify
-        eval_scenarios = load_scenarios(cfg.evaluation.data, catalog, judged=False, system_suffix=a.system_suffix)
-        if cfg.evaluation.max_examples and cfg.evaluation.max_examples < len(eval_scenarios):
-            picks = np.linspace(0, len(eval_scenarios) - 1, cfg.evaluation.max_examples).round().astype(int)
-            eval_scenarios = tuple(eval_scenarios[i] for i in picks)  # evenly spaced, as retrograd does
+        eval_scenarios = evenly_spaced(
+            load_scenarios(cfg.evaluation.data, catalog, judged=False, system_suffix=a.system_suffix), cfg.evaluation.max_examples
+        )
     for scenario in scenarios + eval_scenarios:
         checked_prompt(chat, scenario, limits)
     judge = OneshotCommandReward(a.judge.command, a.judge.timeout_secs) if a.judge is not None else None
@@ -166,10 +165,10 @@ class AgentLoop(RecipeLoop):
             clip_range_low=a.clip_range_low, clip_range_high=a.clip_range_high, loss_normalization=a.loss_normalization,
         )
         self.total_steps = a.updates * a.epochs_per_update * a.minibatches
-        schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, self.total_steps, t.max_grad_norm)
+        schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, self.total_steps, t.max_grad_norm, a.updates)
         self.duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
         self.policy = PolicyOptimizer(
-            setup, self.optimizer, loss_options, schedule, LogprobOptions.from_training(t, setup.model.spec.n_vocab),
+            setup, self.optimizer, loss_options, schedule, LogprobOptions.from_training(t, setup.model.spec.n_vocab, a.temperature),
             self.duty, t.micro_batch, cfg.lora.seed,
         )
         self.rollouts = AgentRollouts(sampler, task.chat, task.pool, task.options, task.limits,
@@ -198,7 +197,7 @@ class AgentLoop(RecipeLoop):
                     update = self.progress["update"]
                     record, trajectories, stop = self.totals.measure(self.update, update)
                     records.append(record)
-                    m = self.totals.account(record.metrics, record.timing)
+                    m = self.account(update, record.metrics, record.timing)
                     metrics.log(self.progress["global_step"], m | {"train/update": update + 1})
                     self._write_rollouts(rollouts_file, update, trajectories)
                     if stop:
@@ -248,11 +247,14 @@ class AgentLoop(RecipeLoop):
                 for t in trainable
             ]
             t1 = time.perf_counter()
-            diagnostics, step_diagnostics = self.policy.update(
+            result = self.policy.update(
                 update, samples, beta=a.kl_coefficient, epochs=a.epochs_per_update, minibatches=a.minibatches,
                 budget_tokens=self.task.limits.budget_tokens, timing=timing,
             )
-            metrics |= diagnostics | {"timing/optimizer_wall_seconds": time.perf_counter() - t1}
+            step_diagnostics = result.step_diagnostics
+            for t, logp in zip(trainable, result.policy_logprobs):
+                t.policy_logprobs = logp.tolist()
+            metrics |= result.diagnostics | {"timing/optimizer_wall_seconds": time.perf_counter() - t1}
             t2 = time.perf_counter()
             refresh = self.sampler.set_adapter(self.setup.adapter)
             timing["adapter_refresh"] = time.perf_counter() - t2
@@ -410,14 +412,21 @@ class AgentLoop(RecipeLoop):
 
 
 def trajectory_record(t: Trajectory, update: int, cap: int = 0) -> dict:
-    """One line of rollouts.jsonl: every turn with its calls and observations."""
-    turns = [
-        {"assistant": cut_text(turn.text, cap), "finish": turn.finish, "tokens": turn.n_tokens,
-         "calls": [{"name": c.name, "arguments": c.arguments, "observation": cut_text(c.content, cap), "is_error": c.is_error,
-                    "reward": c.reward} for c in turn.calls]}
-        | ({"error": turn.note} if turn.note else {})
-        for turn in t.turns
-    ]
+    """One line of rollouts.jsonl: every turn with its calls and observations, and the
+    numbers behind its training: the token ids before and of the turn, the sampler's and
+    torch's log-probs of each sampled token (README: rollouts.jsonl)."""
+    turns, first = [], 0  # first: where the turn's tokens begin among the sampled ones
+    for turn in t.turns:
+        span, first = slice(first, first + turn.n_tokens), first + turn.n_tokens
+        turns.append(
+            {"assistant": cut_text(turn.text, cap), "finish": turn.finish, "tokens": turn.n_tokens,
+             "calls": [{"name": c.name, "arguments": c.arguments, "observation": cut_text(c.content, cap),
+                        "is_error": c.is_error, "reward": c.reward} for c in turn.calls]}
+            | ({"error": turn.note} if turn.note else {})
+            | {"prompt_ids": [*t.prompt, *t.tokens[: turn.start]], "completion_ids": t.tokens[turn.start: turn.start + turn.n_tokens],
+               "sampler_logprobs": t.logprobs[span],
+               "policy_logprobs": t.policy_logprobs[span] if t.policy_logprobs is not None else None}
+        )
     return {
         "update": update + 1, "group": t.group, "member": t.member, "scenario": t.scenario.id, "source": t.scenario.source,
         "stop": t.stop, "truncated": t.truncated, "turns": turns, "tokens": len(t.tokens), "sampled_tokens": sum(t.mask),

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from retrograd.bundled import default_model_path
 from retrograd.config import Config
 from retrograd.data import ChatFormat, resolve_chat_template
 from retrograd.device import resolve_device
-from retrograd.errors import ConfigError, DataError
+from retrograd.errors import ConfigError, DataError, DeviceError, TrainingDiverged
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import read_spec
@@ -24,6 +25,7 @@ from retrograd.lora import Adapter, attach_lora
 from retrograd.memory import rss_bytes
 from retrograd.model.base import BaseModel, load_model
 from retrograd.model.tokenizer import Tokenizer
+from retrograd.preflight import off_device
 from retrograd.sampler import SamplerOptions
 from retrograd.training.checkpoint import Checkpoint, content_hash, file_fingerprint, latest_checkpoint, load_checkpoint
 from retrograd.training.report import Reporter
@@ -51,6 +53,14 @@ class Setup:
     chat: ChatFormat
     precision: str  # resolved compute dtype name
     timings: dict = field(default_factory=dict)  # start-up phase -> (seconds, Δ host RSS bytes)
+    detail: Callable[[str], None] = field(default=lambda text: None)  # run.verbose's lines; reporter.message when on
+
+    def diverged(self, reason: str) -> TrainingDiverged:
+        """The one way every recipe stops on a NaN loss or a runaway KL: the reason, and
+        where the run can be picked up again."""
+        last = latest_checkpoint(self.cfg.checkpoint.directory) if self.cfg.checkpoint else None
+        where = f"; the last good checkpoint is {last} (resume with --resume)" if last else "; no checkpoint was written"
+        return TrainingDiverged(reason + where)
 
     @property
     def base_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -104,6 +114,14 @@ def load_base(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Base:
     if t.threads:
         torch.set_num_threads(t.threads)
     device = resolve_device(cfg.model.device)
+    for note in cfg.notes:
+        reporter.message(f"note: {note}")
+    if t.require_gpu_resident:
+        off = off_device(device, sampling=cfg.run.algorithm != "sft")
+        if device.type == "cpu":
+            off = ["torch sees no CUDA GPU, so training would run on the CPU"]
+        if off:
+            raise DeviceError(f"training.require_gpu_resident = true, but {'; '.join(off)} (preflight shows it; unset the key to allow it)")
     precision = compute_dtype(t.compute_dtype, device)
     reporter.message("loading model")
     t0, r0 = time.perf_counter(), rss_bytes()
@@ -129,7 +147,10 @@ def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
     if cfg.lora.init_adapter is not None:
         load_adapter_weights(adapter, cfg.lora.init_adapter)
     timings = base.timings | {"LoRA creation": (time.perf_counter() - t0, rss_bytes() - r0)}
-    return Setup(cfg, base.device, model, adapter, chat, base.precision, timings)
+    setup = Setup(cfg, base.device, model, adapter, chat, base.precision, timings)
+    if cfg.run.verbose:
+        setup.detail = reporter.message
+    return setup
 
 
 def load_adapter_weights(adapter: Adapter, path: Path) -> None:

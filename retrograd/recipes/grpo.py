@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import Prompt, load_prompts
+from retrograd.data import Prompt, evenly_spaced, load_prompts
 from retrograd.memory import rss_bytes
 from retrograd.objectives.advantages import group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
@@ -40,10 +40,10 @@ from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
-from retrograd.training.optim import build_optimizer
+from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
-from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
+from retrograd.training.rollout_step import PolicyOptimizer, TrainSample
 from retrograd.training.scoring import Rollout, micro_batch_logprobs
 from retrograd.training.state import RecipeLoop
 
@@ -62,6 +62,7 @@ class Member:
     truncated: bool
     reward: float = 0.0
     live: bool = True
+    policy_logprobs: tuple[float, ...] | None = None  # torch's before the update, when trained
     advantage: float = 0.0
     skip_reason: str | None = None
 
@@ -124,10 +125,9 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
         chat = open_chat(cfg)
         budget = t.ctx - g.sampling.max_new_tokens
         prompts = load_prompts(g.prompts, chat, max_tokens=budget)
-        eval_prompts = load_prompts(cfg.evaluation.data, chat, max_tokens=budget) if cfg.evaluation else ()
-        if cfg.evaluation and cfg.evaluation.max_examples and cfg.evaluation.max_examples < len(eval_prompts):
-            picks = np.linspace(0, len(eval_prompts) - 1, cfg.evaluation.max_examples).round().astype(int)
-            eval_prompts = tuple(eval_prompts[i] for i in picks)  # evenly spaced, as retrograd does
+        eval_prompts = ()
+        if cfg.evaluation:
+            eval_prompts = evenly_spaced(load_prompts(cfg.evaluation.data, chat, max_tokens=budget), cfg.evaluation.max_examples)
         setup = prepare(cfg, reporter, chat)
         t0, r0 = time.perf_counter(), rss_bytes()
         with Sampler(setup.model.path, sampler_options(cfg)) as sampler:
@@ -168,10 +168,10 @@ class GRPOLoop(RecipeLoop):
             tis_cap=g.tis_cap,
         )
         self.total_steps = g.updates * g.grpo_epochs * g.minibatches
-        schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, self.total_steps, t.max_grad_norm)
+        schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, self.total_steps, t.max_grad_norm, g.updates)
         self.duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
         self.policy = PolicyOptimizer(
-            setup, self.optimizer, loss_options, schedule, LogprobOptions.from_training(t, setup.model.spec.n_vocab),
+            setup, self.optimizer, loss_options, schedule, LogprobOptions.from_training(t, setup.model.spec.n_vocab, g.sampling.temperature),
             self.duty, t.micro_batch, cfg.lora.seed,
         )
         self.sampling = Sampling(g.sampling.max_new_tokens, g.sampling.temperature, g.sampling.top_p)
@@ -205,7 +205,7 @@ class GRPOLoop(RecipeLoop):
                     update = self.progress["update"]
                     record, members = self.totals.measure(self.update, update)
                     records.append(record)
-                    m = self.totals.account(record.metrics, record.timing)
+                    m = self.account(update, record.metrics, record.timing)
                     self.progress["update"] = update + 1
                     metrics.log(self.progress["global_step"], m | {"train/update": update + 1})
                     self._write_rollouts(rollouts_file, update, members)
@@ -254,12 +254,15 @@ class GRPOLoop(RecipeLoop):
                 TrainSample(Rollout(m.group, m.prompt.ids, m.tokens), torch.tensor(m.advantage), torch.tensor(m.sampler_logprobs))
                 for m in trainable
             ]
-            diagnostics, step_diagnostics = self.policy.update(
+            result = self.policy.update(
                 update, samples, beta=beta, epochs=g.grpo_epochs, minibatches=g.minibatches,
                 budget_tokens=g.sampling.max_new_tokens, timing=timing,
             )
-            metrics |= diagnostics
-            if g.kl_schedule and g.kl_schedule.target:
+            step_diagnostics = result.step_diagnostics
+            for m, logp in zip(trainable, result.policy_logprobs):
+                m.policy_logprobs = tuple(logp.tolist())
+            metrics |= result.diagnostics
+            if g.kl_schedule and g.kl_schedule.target and "policy/kl" in metrics:  # measured once beta > 0
                 self.progress["kl_multiplier"] = adapt_kl_multiplier(self.progress["kl_multiplier"], metrics["policy/kl"], g.kl_schedule.target)
             t0 = time.perf_counter()
             refresh = self.sampler.set_adapter(self.setup.adapter)
@@ -395,6 +398,8 @@ class GRPOLoop(RecipeLoop):
                 "update": update + 1, "group": m.group, "prompt": cut_text(m.prompt.text, cap), "source": m.prompt.source,
                 "completion": cut_text(m.text, cap), "tokens": len(m.tokens), "truncated": m.truncated, "reward": m.reward,
                 "advantage": m.advantage, "trained": m.skip_reason is None, "skip_reason": m.skip_reason,
+                "prompt_ids": list(m.prompt.ids), "completion_ids": list(m.tokens),
+                "sampler_logprobs": list(m.sampler_logprobs), "policy_logprobs": m.policy_logprobs,
             }
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()

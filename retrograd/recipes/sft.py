@@ -20,20 +20,15 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import Example, load_sft
-from retrograd.errors import RetrogradError
+from retrograd.data import Example, evenly_spaced, load_sft
 from retrograd.memory import rss_bytes
 from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
 from retrograd.training.batches import LogprobOptions, batch_logprobs, pack, plan_micro_batches
-from retrograd.training.checkpoint import check_signature, latest_checkpoint, step_name
+from retrograd.training.checkpoint import check_signature, step_name
 from retrograd.training.metrics import MetricsSink
-from retrograd.training.optim import build_optimizer, clip_gradients, learning_rate
+from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
 from retrograd.training.report import Reporter
 from retrograd.training.state import restore_state, save_state, track_evaluation
-
-
-class TrainingDiverged(RetrogradError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -89,8 +84,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     eval_examples = None
     if cfg.evaluation is not None:
         eval_examples = load_sft(cfg.evaluation.data, chat, ctx=t.ctx, data_format=cfg.sft.data_format).examples
-        if cfg.evaluation.max_examples:
-            eval_examples = eval_examples[: cfg.evaluation.max_examples]
+        eval_examples = evenly_spaced(eval_examples, cfg.evaluation.max_examples)
     setup = prepare(cfg, reporter, chat)
     options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
     transformer = setup.model.transformer
@@ -99,6 +93,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
 
     plans = [epoch_plan(examples, e, seed=cfg.lora.seed, shuffle=cfg.sft.shuffle, micro_batch=t.micro_batch, accumulation=t.gradient_accumulation) for e in range(t.epochs)]
     total_steps = sum(len(p) for p in plans)
+    schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, total_steps, t.max_grad_norm)
     data_files = {"sft.data": cfg.sft.data} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
     sig = signature(setup, data_files)
     progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
@@ -131,24 +126,25 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             steps = plans[epoch]
             for k in range(progress["step_in_epoch"], len(steps)):
                 step = progress["global_step"]
-                lr = learning_rate(step, lr=t.lr, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps, total_steps=total_steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                lr = schedule.apply(optimizer, step)
                 t0 = time.perf_counter()
                 micro_batches = [[examples[i] for i in mb] for mb in steps[k]]
                 n_trained = sum(e.n_trained for mb in micro_batches for e in mb)
                 step_loss, step_tokens = 0.0, 0
-                for mb in micro_batches:
+                for j, mb in enumerate(micro_batches):
+                    t1 = time.perf_counter()
                     batch = pack(mb, setup.device)
                     loss = -batch_logprobs(transformer, batch, options).sum() / n_trained
                     loss.backward()
                     step_loss += float(loss.detach())
                     step_tokens += batch.n_tokens
+                    setup.detail(
+                        f"step {step + 1} micro-batch {j + 1}/{len(micro_batches)}: {len(mb)} sequences, {batch.n_tokens} tokens "
+                        f"({len(batch.targets)} trained), loss share {float(loss.detach()):.5f}, {time.perf_counter() - t1:.2f} s"
+                    )
                 if not math.isfinite(step_loss):
-                    last = _latest_name(cfg)
-                    raise TrainingDiverged(
-                        f"step {step + 1}: the loss is {step_loss} (not finite); stopped without updating the adapter"
-                        + (f"; the last good checkpoint is {last}" if last else "") + " — try a lower training.lr"
+                    raise setup.diverged(
+                        f"step {step + 1}: the loss is {step_loss} (not finite); stopped without updating the adapter — try a lower training.lr"
                     )
                 grad_norm = clip_gradients(params, t.max_grad_norm)
                 optimizer.step()
@@ -207,6 +203,3 @@ def _after_eval(cfg: Config, progress: dict, eval_loss: float, epoch: int, repor
         reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
     return outcome.stop
 
-
-def _latest_name(cfg: Config) -> Path | None:
-    return latest_checkpoint(cfg.checkpoint.directory) if cfg.checkpoint else None

@@ -110,6 +110,7 @@ class Turn:
     finish: str  # "eos" | "length" (max_new_tokens_per_turn)
     prefilled: int  # context tokens the sampler decoded for this turn
     reused: int  # context tokens it found in the KV cache
+    start: int  # where its tokens begin in Trajectory.tokens
     calls: list[ToolStep] = field(default_factory=list)
     note: str | None = None  # the error observation of a turn without a valid call
 
@@ -124,6 +125,7 @@ class Trajectory:
     tokens: list[int] = field(default_factory=list)  # after the prompt, ending with the last sampled token
     mask: list[bool] = field(default_factory=list)  # True where the policy sampled the token
     logprobs: list[float] = field(default_factory=list)  # the sampler's, one per sampled token
+    policy_logprobs: list[float] | None = None  # torch's, one per sampled token, before the update (trained ones)
     turns: list[Turn] = field(default_factory=list)
     step_rewards: list[tuple[int, float]] = field(default_factory=list)  # (index in tokens where it starts, reward)
     stop: str | None = None
@@ -320,10 +322,11 @@ class AgentRollouts:
         ends = completion.finish == "eos"
         body = tokens[:-1] if ends else tokens
         content = self._text(body)
+        start = len(t.tokens)
         t.tokens += tokens
         t.mask += [True] * len(tokens)
         t.logprobs += list(completion.logprobs)
-        t.turns.append(Turn(content, len(tokens), completion.finish, completion.prefilled, completion.reused))
+        t.turns.append(Turn(content, len(tokens), completion.finish, completion.prefilled, completion.reused, start))
         live.content = content
         live.messages.append({"role": "assistant", "content": content})
         parsed = hermes.parse_calls(content)

@@ -1,9 +1,12 @@
 """Drawing one token from one row of llama.cpp logits, in numpy, with the sequence's own RNG.
 
 The token is drawn at the request's temperature and top-p. The log-probability returned
-with it is always the one GRPO compares with torch's scoring: the token's log-softmax over
-the FULL vocabulary at temperature 1, of llama.cpp's float32 logits, computed in float64
-(`logit[t] - logsumexp(logits)`); temperature and top-p never enter it.
+with it is that of the distribution the token was actually drawn from, computed in float64
+from llama.cpp's float32 logits: `log_softmax(logits / T)[t]` over the full vocabulary, or,
+with top_p < 1, over the nucleus renormalised. With top_p = 1 it is exactly what torch's
+scoring at the same temperature computes (the trained policy is the tempered softmax), so
+GRPO's ratios, KL and distillation gaps refer to the policy that produced the samples; with
+a nucleus it is the behaviour probability that truncated importance sampling corrects.
 
 Each draw consumes exactly one `rng.random()`, so a sequence's tokens depend only on its
 seed, its context and the logits, never on which other sequences share the batch.
@@ -37,11 +40,9 @@ class Sampling:
 
 
 def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> tuple[int, float]:
-    """logits [V] float32 -> (token, log-prob of token at temperature 1 over all V)."""
-    x = logits.astype(np.float64)  # [V]
-    top = x.max()
-    log_z = top + math.log(np.exp(x - top).sum())
-    weights = np.exp((x - top) / sampling.temperature)  # [V] unnormalised, max 1
+    """logits [V] float32 -> (token, its log-prob under the distribution it was drawn from)."""
+    x = (logits.astype(np.float64) - float(logits.max())) / sampling.temperature  # [V] tempered, max 0
+    weights = np.exp(x)  # [V] unnormalised, max 1
     if sampling.top_p < 1.0:
         order = np.argsort(-weights, kind="stable")  # [V] most likely first
         cdf = np.cumsum(weights[order])  # [V]
@@ -53,4 +54,4 @@ def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
         cdf = np.cumsum(weights)  # [V]
     pick = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
     token = int(candidates[pick]) if candidates is not None else pick
-    return token, float(x[token] - log_z)
+    return token, float(x[token] - math.log(cdf[-1]))

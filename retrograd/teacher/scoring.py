@@ -5,7 +5,9 @@ torch model (exact, the same numbers the student's side computes).
 Both take `Rollout`s (training/scoring.py): a prompt, the tokens after it and which of them
 to score; rollouts with the same group share their prompt, which is computed once. Each
 returns, per rollout, the log-prob of every scored token and optionally the k most likely ids
-at that position with their log-probs, over the full vocabulary at temperature 1.
+at that position with their log-probs, over the full vocabulary at the temperature of
+`TeacherOptions.logprobs` (on-policy distillation compares teacher and student at the
+temperature the student sampled at; a sidecar is written at 1).
 
 The torch side reads the hidden states of the scored positions and gathers log-probs at any
 ids through the chunked kernel, never as [N, V] logits; `gather_at` is that step, and the
@@ -50,7 +52,7 @@ class TeacherOptions:
     compute_dtype: str = "f32"  # torch
     device: torch.device | str = "cpu"  # torch
     micro_batch: int = 512  # torch: tokens per forward
-    logprobs: LogprobOptions = field(default_factory=LogprobOptions)  # torch: how the head is evaluated
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)  # how the head is evaluated (torch), the temperature (both)
 
 
 # ----------------------------------------------------------------------------- shared torch step
@@ -79,6 +81,7 @@ def gather_at(
         ids,
         compute_dtype=model.compute_dtype,
         softcap=model.spec.final_logit_softcap,
+        temperature=options.temperature,
         vocab_tile=options.vocab_tile,
         token_chunk=options.token_chunk,
         topk=topk,
@@ -152,6 +155,7 @@ class LlamaCppTeacher:
 
     def __init__(self, path: Path, options: TeacherOptions):
         self.path = Path(path)
+        self.temperature = options.logprobs.temperature
         self.model = C.llama_model_load_from_file(str(self.path).encode(), C.llama_model_default_params())
         if not self.model:
             raise GGUFError(f"{self.path}: llama.cpp cannot load this teacher model")
@@ -216,7 +220,7 @@ class LlamaCppTeacher:
             if not wanted:
                 continue
             logits = np.ctypeslib.as_array(C.llama_get_logits(self.ctx), shape=(len(wanted), self.n_vocab))
-            logp = torch.from_numpy(logits).log_softmax(-1)  # [n, V]
+            logp = (torch.from_numpy(logits) / self.temperature).log_softmax(-1)  # [n, V]
             targets = torch.tensor([t for _, t in wanted])[:, None]  # [n, 1]
             picked = logp.gather(1, targets)[:, 0]  # [n]
             top_lp, top_ids = logp.topk(topk, dim=-1) if topk else (None, None)  # [n, k]

@@ -21,19 +21,23 @@ from retrograd.model.transformer import Layout, Transformer
 
 @dataclass(frozen=True)
 class LogprobOptions:
-    """How the output head is evaluated (training.chunked_cross_entropy, chunked_ce_*)."""
+    """How the output head is evaluated (training.chunked_cross_entropy, chunked_ce_*), and
+    at which temperature: a rollout algorithm scores every token at the temperature it was
+    sampled at, so the policy it trains is the one that produced the samples."""
 
     path: str = "chunked"  # or "dense": materialised [N, V] logits
     vocab_tile: int = VOCAB_TILE
     token_chunk: int = TOKEN_CHUNK
+    temperature: float = 1.0
 
     @classmethod
-    def from_training(cls, training, n_vocab: int) -> LogprobOptions:
+    def from_training(cls, training, n_vocab: int, temperature: float = 1.0) -> LogprobOptions:
         tiles = training.chunked_ce_tiles
         return cls(
             path="chunked" if training.chunked_cross_entropy else "dense",
             vocab_tile=VOCAB_TILE if tiles is None else -(-n_vocab // tiles),
             token_chunk=training.chunked_ce_seq_chunk or 1 << 30,
+            temperature=temperature,
         )
 
 
@@ -136,6 +140,7 @@ def batch_logprobs(model: Transformer, batch: PackedBatch, options: LogprobOptio
         batch.targets.unsqueeze(1),  # [N, 1]
         compute_dtype=model.compute_dtype,
         softcap=model.spec.final_logit_softcap,
+        temperature=options.temperature,
         vocab_tile=options.vocab_tile,
         token_chunk=options.token_chunk,
     )

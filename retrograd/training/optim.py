@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,38 @@ def learning_rate(step: int, *, lr: float, schedule: str, warmup_steps: int, tot
         return lr * (step + 1) / warmup_steps
     span = max(total_steps - warmup_steps, 1)
     return lr * SCHEDULES[schedule](min((step - warmup_steps) / span, 1.0))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A run's learning-rate plan. SFT and offline distillation know their step count up
+    front. A rollout run plans `updates` updates of total_steps / updates steps each, but an
+    update may take fewer (dead groups, fewer samples than minibatches): `total_from`
+    re-plans at the start of every update from the steps actually taken, so the last step
+    of the run always lands on the schedule's end."""
+
+    lr: float
+    scheduler: str
+    warmup_steps: int
+    total_steps: int  # as planned
+    max_grad_norm: float
+    updates: int = 1
+
+    def rate(self, step: int, total_steps: int | None = None) -> float:
+        return learning_rate(step, lr=self.lr, schedule=self.scheduler, warmup_steps=self.warmup_steps,
+                             total_steps=self.total_steps if total_steps is None else total_steps)
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int, total_steps: int | None = None) -> float:
+        """Set the learning rate of optimizer step `step` (0-based); returns it."""
+        lr = self.rate(step, total_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def total_from(self, update: int, steps_done: int, steps_now: int) -> int:
+        """Steps of the whole run, as known when update `update` (0-based) starts after
+        `steps_done` steps and will take `steps_now`; later updates are assumed full."""
+        return steps_done + steps_now + (self.updates - update - 1) * (self.total_steps // self.updates)
 
 
 def clip_gradients(params, max_norm: float) -> float:

@@ -5,8 +5,9 @@ Per update: the behaviour log-probs (a teacher-forced torch pass; skipped when o
 optimizer step covers the update, where the ratio is exactly 1 by construction), the
 reference log-probs with the adapter switched off when beta > 0, then `epochs` passes over
 `minibatches` shuffled minibatches, one optimizer step each, micro-batches packed with each
-group's prompt once. It also measures how far llama.cpp's sampling log-probs are from
-torch's on the same tokens.
+group's prompt once. Every log-prob is at the sampling temperature (LogprobOptions). It
+also measures how far llama.cpp's sampling log-probs are from torch's on the same tokens,
+and hands back torch's log-probs of every sample before the update (rollouts.jsonl).
 """
 
 from __future__ import annotations
@@ -18,18 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retrograd.errors import RetrogradError
+from retrograd.errors import TrainingDiverged
 from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, merge_diagnostics, policy_loss
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.duty_cycle import DutyCycle
-from retrograd.training.optim import clip_gradients, learning_rate
+from retrograd.training.optim import Schedule, clip_gradients
 from retrograd.training.scoring import Rollout, micro_batch_logprobs, plan, rollout_logprobs
 
-KL_DIVERGENCE_LIMIT = 50.0  # retrograd's divergence guard
-
-
-class TrainingDiverged(RetrogradError):
-    pass
+KL_DIVERGENCE_LIMIT = 50.0  # retrograd's divergence guard, on policy/kl (nats per token)
 
 
 @dataclass(frozen=True)
@@ -44,12 +41,10 @@ class TrainSample:
 
 
 @dataclass(frozen=True)
-class Schedule:
-    lr: float
-    scheduler: str
-    warmup_steps: int
-    total_steps: int
-    max_grad_norm: float
+class UpdateResult:
+    diagnostics: dict  # the update's merged policy diagnostics
+    step_diagnostics: list[dict]  # merged per optimizer step
+    policy_logprobs: list[torch.Tensor]  # [n] per sample: torch's log-probs before the update
 
 
 class PolicyOptimizer:
@@ -62,12 +57,15 @@ class PolicyOptimizer:
         self.micro_batch, self.seed = micro_batch, seed
         self.params = setup.adapter.parameters()
         self.global_step = 0
+        self.total_steps = schedule.total_steps  # re-planned at every update (Schedule.total_from)
 
     def update(self, update: int, samples: list[TrainSample], *, beta: float, epochs: int, minibatches: int,
-               budget_tokens: int, timing: dict) -> tuple[dict, list[dict]]:
-        """Train on `samples`; returns the update's merged diagnostics and one dict per step."""
+               budget_tokens: int, timing: dict) -> UpdateResult:
+        """Train on `samples`: `epochs` passes of up to `minibatches` optimizer steps."""
         model = self.setup.model.transformer
         rollouts = [s.rollout for s in samples]
+        minibatches = min(minibatches, len(samples))  # np.array_split would leave the rest empty
+        self.total_steps = self.schedule.total_from(update, self.global_step, epochs * minibatches)
         old = None
         if epochs > 1 or minibatches > 1:  # ratios need the policy as it was when sampling
             old = self._score(rollouts, timing, "behavior_scoring")
@@ -76,34 +74,36 @@ class PolicyOptimizer:
             with self.setup.adapter.disabled():
                 ref = self._score(rollouts, timing, "reference")
 
-        parts, per_step, mismatch = [], [], []
+        parts, per_step = [], []
+        before: list[torch.Tensor] = [o.cpu() for o in old] if old is not None else [None] * len(samples)  # type: ignore[misc]
         t0 = time.perf_counter()
         for epoch in range(epochs):
             order = np.random.default_rng([self.seed, update, epoch]).permutation(len(samples))
             for minibatch in np.array_split(order, minibatches):
-                if len(minibatch) == 0:
-                    continue
                 idx = sorted(int(i) for i in minibatch)  # groups stay adjacent: prompts packed once
-                step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens, mismatch if epoch == 0 else None)
+                step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens, before if epoch == 0 else None)
                 parts.extend(step_parts)
                 per_step.append(merge_diagnostics(step_parts))
         timing["optimizer"] = timing.get("optimizer", 0.0) + time.perf_counter() - t0
 
         merged = merge_diagnostics(parts)
-        for k in ("policy/surrogate_loss", "policy/kl", "policy/total_loss"):
+        for k in ("policy/surrogate_loss", "policy/kl_loss", "policy/total_loss"):
             merged[k] /= len(per_step)  # shares add up per step; report the update's mean step
-        delta = torch.cat(mismatch).double()  # log p_llama.cpp - log p_torch on the sampled tokens
+        # log p_llama.cpp - log p_torch on the sampled tokens, both at the sampling temperature
+        delta = torch.cat([s.sampler_logprobs - b for s, b in zip(samples, before)]).double()
         merged |= {
             "policy/logprob_mismatch_abs_mean": delta.abs().mean().item(),
             "policy/logprob_mismatch_kl": (delta.exp() - 1 - delta).mean().item(),  # k3 estimate of KL(torch || llama.cpp)
             "optimizer/learning_rate": self.optimizer.param_groups[0]["lr"],
             "batch/trained_tokens": float(sum(s.n_scored for s in samples)),
         }
-        if merged["policy/kl"] > KL_DIVERGENCE_LIMIT or not math.isfinite(merged["policy/kl"]):
-            raise TrainingDiverged(
-                f"update {update + 1}: KL to the reference is {merged['policy/kl']:.3g}; lower training.lr or raise the kl_coefficient"
+        kl = merged.get("policy/kl", 0.0)
+        if kl > KL_DIVERGENCE_LIMIT or not math.isfinite(kl):
+            raise self.setup.diverged(
+                f"update {update + 1}: the KL to the reference is {kl:.3g} nats per token (limit {KL_DIVERGENCE_LIMIT:g}); "
+                "lower training.lr or raise the kl_coefficient"
             )
-        return merged, per_step
+        return UpdateResult(merged, per_step, before)
 
     def _score(self, rollouts, timing: dict, phase: str) -> list[torch.Tensor]:
         t0 = time.perf_counter()
@@ -112,16 +112,17 @@ class PolicyOptimizer:
         timing[phase] = timing.get(phase, 0.0) + time.perf_counter() - t0
         return out
 
-    def _step(self, model, samples, idx, old, ref, beta, budget_tokens, mismatch) -> list[dict]:
-        s = self.schedule
-        lr = learning_rate(self.global_step, lr=s.lr, schedule=s.scheduler, warmup_steps=s.warmup_steps, total_steps=s.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def _step(self, model, samples, idx, old, ref, beta, budget_tokens, before) -> list[dict]:
+        """One optimizer step on samples `idx`; on the first epoch, `before` collects each
+        sample's log-probs from this forward when no behaviour pass was made."""
+        lr = self.schedule.apply(self.optimizer, self.global_step, self.total_steps)
         counts = MinibatchCounts(len(idx), sum(samples[i].n_scored for i in idx), budget_tokens)
         parts = []
+        micro_batches = plan([samples[i].rollout for i in idx], self.micro_batch)
         with self.duty.burst():
-            for micro in plan([samples[i].rollout for i in idx], self.micro_batch):
-                chosen = [idx[k] for k in micro]
+            for k, micro in enumerate(micro_batches):
+                t0 = time.perf_counter()
+                chosen = [idx[j] for j in micro]
                 logp, mask = micro_batch_logprobs(model, [samples[i].rollout for i in chosen], self.options, self.setup.device)
                 old_logp = logp.detach() if old is None else padded([old[i] for i in chosen], mask)
                 sampler_logp = padded([samples[i].sampler_logprobs for i in chosen], mask)
@@ -133,13 +134,17 @@ class PolicyOptimizer:
                 )
                 loss.backward()
                 parts.append(diag)
-                if mismatch is not None:
-                    mismatch.append((sampler_logp - old_logp.float())[mask])
-            if not math.isfinite(sum(p["policy/total_loss"] for p in parts)):
-                raise TrainingDiverged(
-                    f"step {self.global_step + 1}: the loss is not finite; stopped without updating the adapter — try a lower training.lr"
+                if before is not None and old is None:
+                    for row, i in enumerate(chosen):
+                        before[i] = old_logp[row][mask[row]].float().cpu()
+                self.setup.detail(
+                    f"step {self.global_step + 1} micro-batch {k + 1}/{len(micro_batches)}: {len(chosen)} sequences, "
+                    f"{int(mask.sum())} scored tokens, loss share {diag['policy/total_loss']:.5f}, lr {lr:.3g}, "
+                    f"{time.perf_counter() - t0:.2f} s"
                 )
-            clip_gradients(self.params, s.max_grad_norm)
+            if not math.isfinite(sum(p["policy/total_loss"] for p in parts)):
+                raise self.setup.diverged(f"step {self.global_step + 1}: the loss is not finite; stopped without updating the adapter — try a lower training.lr")
+            clip_gradients(self.params, self.schedule.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1

@@ -61,6 +61,14 @@ class RecipeLoop:
         path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
         self.reporter.message(f"checkpoint {path}")
 
+    def account(self, update: int, metrics: dict, timing: dict) -> dict:
+        """The rollout loops' per-update bookkeeping (RunTotals.account), and with
+        run.verbose one line of where the update's time went."""
+        metrics = self.totals.account(metrics, timing)
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in timing.items())
+        self.setup.detail(f"update {update + 1} phases: {phases} (update {self.totals.elapsed:.2f} s)")
+        return metrics
+
     def save_if_crossed(self, steps: int) -> None:
         """A step-N checkpoint when the update's `steps` optimizer steps, ending at the current
         global step, passed a multiple of checkpoint.every_steps."""

@@ -27,8 +27,7 @@ from retrograd.teacher import (
 )
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.checkpoint import file_fingerprint
-from retrograd.training.optim import clip_gradients, learning_rate
-from retrograd.training.rollout_step import Schedule, TrainingDiverged
+from retrograd.training.optim import clip_gradients
 
 TEACHER_MICRO_BATCH = 1024  # tokens per torch teacher forward at least: no gradients, and a quantized
 # model dequantizes its weights once per forward (measured 3x faster than 256)
@@ -66,7 +65,9 @@ def require_teacher(cfg: Config) -> Path:
     return teacher
 
 
-def teacher_options(cfg: Config, device: torch.device, precision: str, group: int, n_vocab: int) -> TeacherOptions:
+def teacher_options(cfg: Config, device: torch.device, precision: str, group: int, n_vocab: int,
+                    temperature: float = 1.0) -> TeacherOptions:
+    """How the teacher scores: on-policy at the student's sampling temperature, a sidecar at 1."""
     t = cfg.training
     return TeacherOptions(
         n_ctx=t.ctx,
@@ -76,7 +77,7 @@ def teacher_options(cfg: Config, device: torch.device, precision: str, group: in
         compute_dtype=precision,
         device=device,
         micro_batch=max(t.micro_batch, TEACHER_MICRO_BATCH),
-        logprobs=LogprobOptions.from_training(t, n_vocab),
+        logprobs=LogprobOptions.from_training(t, n_vocab, temperature),
     )
 
 
@@ -103,23 +104,10 @@ def distill_signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     return signature(setup, data_files) | json.loads(json.dumps(extra, default=str))
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, schedule: Schedule, step: int) -> float:
-    lr = learning_rate(
-        step,
-        lr=schedule.lr,
-        schedule=schedule.scheduler,
-        warmup_steps=schedule.warmup_steps,
-        total_steps=schedule.total_steps,
-    )
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
-
-
-def apply_step(optimizer: torch.optim.Optimizer, params, loss: float, step: int, max_grad_norm: float) -> float:
+def apply_step(setup: Setup, optimizer: torch.optim.Optimizer, params, loss: float, step: int, max_grad_norm: float) -> float:
     """Clip and step (the gradients are accumulated); a non-finite loss stops the run first."""
     if not math.isfinite(loss):
-        raise TrainingDiverged(
+        raise setup.diverged(
             f"step {step + 1}: the loss is {loss} (not finite); stopped without updating the adapter — try a lower training.lr"
         )
     grad_norm = clip_gradients(params, max_grad_norm)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import load_sft
+from retrograd.data import evenly_spaced, load_sft
 from retrograd.device import resolve_device
 from retrograd.errors import ConfigError
 from retrograd.memory import PeakMemory, rss_bytes
@@ -31,7 +31,6 @@ from retrograd.recipes.distill.common import (
     apply_step,
     distill_signature,
     require_teacher,
-    set_learning_rate,
     student_path,
     teacher_options,
 )
@@ -53,9 +52,8 @@ from retrograd.teacher import (
 from retrograd.training.batches import LogprobOptions, pack
 from retrograd.training.checkpoint import check_signature, file_fingerprint
 from retrograd.training.metrics import MetricsSink
-from retrograd.training.optim import build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_step import Schedule
+from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.scoring import Rollout
 from retrograd.training.state import RecipeLoop, restore_state, track_evaluation
 
@@ -181,7 +179,7 @@ def run_offline(cfg: Config, reporter: Reporter, resume) -> DistillResult:
     )
     eval_examples = ()
     if cfg.evaluation is not None:
-        eval_examples = load_sft(cfg.evaluation.data, chat, ctx=t.ctx).examples[: cfg.evaluation.max_examples]
+        eval_examples = evenly_spaced(load_sft(cfg.evaluation.data, chat, ctx=t.ctx).examples, cfg.evaluation.max_examples)
     setup = prepare(cfg, reporter, chat)
     loop = OfflineLoop(cfg, setup, examples, sidecar, eval_examples, reporter)
     result = loop.run(resume)
@@ -300,7 +298,7 @@ class OfflineLoop(RecipeLoop):
         """One optimizer step: the cross-entropy against the teacher's renormalised top-k,
         averaged over the step's supervised positions."""
         setup, step = self.setup, self.progress["global_step"]
-        lr = set_learning_rate(self.optimizer, self.schedule, step)
+        lr = self.schedule.apply(self.optimizer, step)
         n_trained = sum(self.examples[i].n_trained for mb in micro_batches for i in mb)
         m = {"train/loss": 0.0, "distill/teacher_topk_mass": 0.0, "distill/student_topk_mass": 0.0, "batch/tokens": 0}
         for mb in micro_batches:
@@ -316,7 +314,7 @@ class OfflineLoop(RecipeLoop):
             for key in ("distill/teacher_topk_mass", "distill/student_topk_mass"):
                 m[key] += diag[key] * len(rows) / n_trained
             m["batch/tokens"] += batch.n_tokens
-        grad_norm = apply_step(self.optimizer, self.params, m["train/loss"], step, self.schedule.max_grad_norm)
+        grad_norm = apply_step(setup, self.optimizer, self.params, m["train/loss"], step, self.schedule.max_grad_norm)
         return m | {
             "train/lr": lr,
             "train/grad_norm": grad_norm,

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import Prompt, load_prompts
+from retrograd.data import Prompt, evenly_spaced, load_prompts
 from retrograd.errors import ConfigError
 from retrograd.memory import rss_bytes
 from retrograd.objectives.distill import generalized_jsd, teacher_advantages
@@ -29,7 +29,6 @@ from retrograd.recipes.distill.common import (
     apply_step,
     distill_signature,
     require_teacher,
-    set_learning_rate,
     student_path,
     teacher_chat,
     teacher_options,
@@ -46,20 +45,14 @@ from retrograd.teacher import (
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
-from retrograd.training.optim import build_optimizer
+from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
-from retrograd.training.rollout_step import PolicyOptimizer, Schedule, TrainSample
+from retrograd.training.rollout_step import PolicyOptimizer, TrainSample
 from retrograd.training.scoring import Rollout, plan, rollout_logprobs
 from retrograd.training.state import RecipeLoop, track_evaluation
 
 PHASES = ("generation", "teacher", "reference", "optimizer", "adapter_refresh")
-
-
-def evenly_spaced(items: tuple, limit: int | None) -> tuple:
-    if not limit or limit >= len(items):
-        return items
-    return tuple(items[i] for i in np.linspace(0, len(items) - 1, limit).round().astype(int))
 
 
 def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +77,7 @@ class Member:
     sampler_logprobs: torch.Tensor  # [n] llama.cpp's log-probs of the student when it sampled them
     truncated: bool
     teacher: TeacherScores | None = None
+    policy_logprobs: torch.Tensor | None = None  # [n] torch's before the update, when trained
 
     @property
     def rollout(self) -> Rollout:
@@ -118,7 +112,8 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> DistillResult:
     teacher = open_teacher(
         teacher_path,
         d.teacher_backend,
-        teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt, setup.model.spec.n_vocab),
+        teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt, setup.model.spec.n_vocab,
+                        temperature=d.sampling.temperature),
     )
     reporter.message(f"teacher {teacher_path.name} through {d.teacher_backend}")
     try:
@@ -142,9 +137,9 @@ class OnPolicyLoop(RecipeLoop):
         d, t = cfg.distill, cfg.training
         self.optimizer = build_optimizer(setup.adapter.parameters(), t.optimizer, t.lr, t.weight_decay)
         self.total_steps = d.updates * d.distill_epochs
-        self.schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, self.total_steps, t.max_grad_norm)
+        self.schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, self.total_steps, t.max_grad_norm, d.updates)
         self.duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
-        self.options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
+        self.options = LogprobOptions.from_training(t, setup.model.spec.n_vocab, d.sampling.temperature)
         loss_options = PolicyLossOptions(clip_range_low=d.clip_range_low, clip_range_high=d.clip_range_high)
         self.policy = PolicyOptimizer(
             setup, self.optimizer, loss_options, self.schedule, self.options, self.duty, t.micro_batch, cfg.lora.seed
@@ -180,7 +175,7 @@ class OnPolicyLoop(RecipeLoop):
                     update = self.progress["update"]
                     m, timing, members = self.totals.measure(self.update, update)
                     self.progress["update"] = update + 1
-                    m = self.totals.account(m, timing) | {"train/update": update + 1}
+                    m = self.account(update, m, timing) | {"train/update": update + 1}
                     metrics.log(self.progress["global_step"], m)
                     records.append(m)
                     self._write_rollouts(rollouts_file, update, members)
@@ -299,7 +294,7 @@ class OnPolicyLoop(RecipeLoop):
         samples = [
             TrainSample(m.rollout, advantages[i, : len(m.tokens)], m.sampler_logprobs) for i, m in enumerate(trained)
         ]
-        diagnostics, _ = self.policy.update(
+        result = self.policy.update(
             update,
             samples,
             beta=d.kl_coefficient,
@@ -308,7 +303,9 @@ class OnPolicyLoop(RecipeLoop):
             budget_tokens=d.sampling.max_new_tokens,
             timing=timing,
         )
-        return diagnostics | {"train/loss": diagnostics["policy/total_loss"]}
+        for m, logp in zip(trained, result.policy_logprobs):
+            m.policy_logprobs = logp
+        return result.diagnostics | {"train/loss": result.diagnostics["policy/total_loss"]}
 
     def _train_jsd(self, update: int, trained: list[Member], advantages: torch.Tensor, timing: dict) -> dict:
         """GKD's generalized JSD over the teacher's top-k at each sampled position (+ k3 KL to
@@ -325,9 +322,11 @@ class OnPolicyLoop(RecipeLoop):
         denominator = len(trained) * d.sampling.max_new_tokens
         t0 = time.perf_counter()
         totals: dict[str, float] = {}
-        for _ in range(d.distill_epochs):
-            lr = set_learning_rate(self.optimizer, self.schedule, self.policy.global_step)
-            step = dict.fromkeys(("distill/jsd", "policy/kl", "train/loss"), 0.0)
+        total = self.schedule.total_from(update, self.policy.global_step, d.distill_epochs)
+        n_tokens = sum(len(m.tokens) for m in trained)
+        for epoch in range(d.distill_epochs):
+            lr = self.schedule.apply(self.optimizer, self.policy.global_step, total)
+            step = dict.fromkeys(("distill/jsd", "train/loss") + (("policy/kl",) if ref is not None else ()), 0.0)
             with self.duty.burst():
                 for micro in plan(rollouts, self.cfg.training.micro_batch):
                     batch, order = pack_rollouts([rollouts[i] for i in micro], setup.device)
@@ -338,15 +337,19 @@ class OnPolicyLoop(RecipeLoop):
                     logp, _ = gather_at(model, batch, ids, self.options)  # [N, 1 + K]
                     every = torch.ones(len(ids), dtype=torch.bool, device=setup.device)  # [N]
                     loss, diag = generalized_jsd(logp[:, 1:], teacher_logp, every, denominator, d.jsd_beta)
+                    if epoch == 0:  # the student before this update's steps, for rollouts.jsonl
+                        for m, lp in zip(chosen, logp[:, 0].detach().float().cpu().split([len(m.tokens) for m in chosen])):
+                            m.policy_logprobs = lp
                     if ref is not None:
                         ref_logp = torch.cat([ref[micro[k]] for k in order]).to(setup.device)  # [N]
-                        kl = k3_kl(ref_logp, logp[:, 0]).sum() / denominator  # []
-                        loss = loss + d.kl_coefficient * kl
-                        step["policy/kl"] += kl.item()
+                        kl = k3_kl(ref_logp, logp[:, 0])  # [N]
+                        loss = loss + d.kl_coefficient * kl.sum() / denominator
+                        step["policy/kl"] += kl.sum().item() / n_tokens  # per token, as the policy update reports it
                     loss.backward()
                     step["distill/jsd"] += diag["distill/jsd"]
                     step["train/loss"] += loss.item()
                 apply_step(
+                    setup,
                     self.optimizer,
                     self.policy.params,
                     step["train/loss"],
@@ -411,6 +414,11 @@ class OnPolicyLoop(RecipeLoop):
                         "tokens": len(m.tokens),
                         "truncated": m.truncated,
                         "teacher_kl_mean": gap,
+                        "prompt_ids": list(m.prompt.ids),
+                        "completion_ids": list(m.tokens),
+                        "sampler_logprobs": m.sampler_logprobs.tolist(),
+                        "policy_logprobs": None if m.policy_logprobs is None else m.policy_logprobs.tolist(),
+                        "teacher_logprobs": m.teacher.logprobs.tolist(),
                     },
                     ensure_ascii=False,
                 )
