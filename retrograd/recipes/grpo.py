@@ -193,7 +193,7 @@ class GRPOLoop(RecipeLoop):
         self.progress = resume_rollouts(checkpoint, self.signature, self.policy, self.sampler, self.reporter) or self.progress
         self.reporter.message(
             f"grpo: updates={g.updates}, grpo_epochs_per_update={g.grpo_epochs}, minibatches={g.minibatches}, "
-            f"optimizer_steps={self.total_steps}, prompts={len(self.prompts)}, group_size={g.group_size}"
+            f"optimizer_steps<={self.total_steps}, prompts={len(self.prompts)}, group_size={g.group_size}"
         )
         records: list[UpdateRecord] = []
         with rollout_outputs(cfg, self.rollouts_path, append=checkpoint is not None) as (metrics, rollouts_file):
