@@ -26,21 +26,10 @@ from retrograd.cli import model as _model  # noqa: F401  (registers inspect, pre
 from retrograd.cli import profile as _profile  # noqa: F401  (registers profile)
 from retrograd.cli import train as _train  # noqa: F401  (registers train)
 
-# options whose value is optional: alone (last, or before another option) they mean this
-OPTIONAL_VALUES = {"--resume": "latest"}
-
-
-def _expand_optional_values(argv: list[str]) -> list[str]:
-    out = []
-    for i, arg in enumerate(argv):
-        alone = i + 1 == len(argv) or argv[i + 1].startswith("-")
-        out.append(f"{arg}={OPTIONAL_VALUES[arg]}" if arg in OPTIONAL_VALUES and alone else arg)
-    return out
-
 
 def main() -> None:
     try:
-        code = app(args=_expand_optional_values(sys.argv[1:]), standalone_mode=False)
+        code = app(args=sys.argv[1:], standalone_mode=False)
     except RetrogradError as e:
         if os.environ.get("RETROGRAD_DEBUG"):
             raise

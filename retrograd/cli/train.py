@@ -10,17 +10,23 @@ import typer
 from retrograd.cli import app
 from retrograd.cli.options import ModelOpt
 from retrograd.cli.progress import ConsoleReporter
+from retrograd.errors import RetrogradError
 
 
 @app.command(
-    context_settings={"allow_extra_args": False},
-    epilog="Examples: retrograd train examples/smoke_tiny_sft.toml | retrograd train run.toml --resume | retrograd train run.toml --resume checkpoints/step-000000000020.state",
+    # extra arguments reach the command only to word the error for `--resume CKPT`
+    context_settings={"allow_extra_args": True},
+    epilog="Examples: retrograd train examples/smoke_tiny_sft.toml | retrograd train run.toml --resume | retrograd train run.toml --resume-from checkpoints/step-000000000020.state",
 )
 def train(
+    ctx: typer.Context,
     config: Path = typer.Argument(..., help="The run's TOML file."),
-    resume: Optional[str] = typer.Option(
-        None, "--resume", metavar="[CKPT]",
-        help="Continue from a checkpoint: a .state directory; alone, the newest in \\[checkpoint].directory.",
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the newest checkpoint in \\[checkpoint].directory."
+    ),
+    resume_from: Optional[Path] = typer.Option(
+        None, "--resume-from", metavar="CKPT",
+        help="Continue from this checkpoint: a step-….state or best.state directory (or the .gguf beside it).",
     ),
     model: ModelOpt = None,
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or gpu (overrides \\[model].device)."),
@@ -29,12 +35,40 @@ def train(
     from retrograd.config import load_config
     from retrograd.recipes import RECIPES
 
+    resume_arg = resume_choice(resume, resume_from, ctx.args)
     cfg = load_config(config).with_overrides(model=model, device=device)
     reporter = ConsoleReporter()
     reporter.message("train")
     reporter.message(f"  config: {cfg.path}")
     reporter.message(f"  model:  {cfg.model.path or 'bundled SmolLM2-135M-Instruct Q4_1'}")
     reporter.message(f"  output: {cfg.output.path}")
-    resume_arg = None if resume is None else True if resume == "latest" else Path(resume)
     result = RECIPES[cfg.run.algorithm](cfg, reporter, resume=resume_arg)
     reporter.message(result.summary())
+
+
+def resume_choice(resume: bool, resume_from: Path | None, extra: list[str]) -> Path | bool | None:
+    """What the recipes' `resume=` gets: True (--resume: the newest checkpoint), the checkpoint
+    named by --resume-from, or None (a fresh run, or [checkpoint].resume_from)."""
+    from retrograd.training.checkpoint import load_checkpoint
+
+    if extra:
+        if resume:
+            raise RetrogradError(f"--resume takes no value: to continue from {extra[0]}, use --resume-from {extra[0]}")
+        raise RetrogradError(f"unexpected argument {extra[0]!r}: train takes one config file")
+    if resume and resume_from is not None:
+        raise RetrogradError(
+            "--resume and --resume-from exclude each other: --resume takes the newest checkpoint, "
+            "--resume-from CKPT the one named"
+        )
+    if resume_from is None:
+        return True if resume else None
+    if not resume_from.exists():
+        raise RetrogradError(f"--resume-from {resume_from}: no such file or directory")
+    hint = "give a step-….state or best.state directory from [checkpoint].directory"
+    try:
+        load_checkpoint(resume_from)
+    except RetrogradError as e:  # "PATH: not a complete checkpoint (no manifest.json)", another format
+        raise RetrogradError(f"--resume-from {e}; {hint}") from None
+    except (OSError, ValueError) as e:  # unreadable, or a manifest that is not JSON
+        raise RetrogradError(f"--resume-from {resume_from}: not a readable checkpoint ({e}); {hint}") from None
+    return resume_from

@@ -191,7 +191,7 @@ def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
 
 
 def resume_point(cfg: Config, resume: Path | bool | None) -> Checkpoint | None:
-    """The checkpoint to resume from: --resume PATH, --resume alone (True: the newest in
+    """The checkpoint to resume from: --resume-from PATH, --resume (True: the newest in
     [checkpoint].directory), or [checkpoint].resume_from; None for a fresh run."""
     if resume is None and cfg.checkpoint and cfg.checkpoint.resume_from:
         resume = cfg.checkpoint.resume_from

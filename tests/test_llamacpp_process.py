@@ -1,0 +1,81 @@
+"""retrograd's Python API and llama-cpp-python in one process: both orders run and the
+process exits 0, and llama.cpp's process-wide log callback stays valid through interpreter
+teardown (it used to be a ctypes callback that teardown freed while llama.cpp still held it:
+the next llama.cpp log line, e.g. from freeing a context, was a SIGSEGV)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HEADER = """
+import gc, os, sys
+from retrograd.bundled import default_model_path
+P = str(default_model_path())
+"""
+
+
+def run_script(tmp_path, body: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(HEADER + textwrap.dedent(body))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **(env or {})}, cwd=tmp_path)
+    assert r.returncode == 0, f"exit status {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return r
+
+
+def test_api_then_llama_cpp_exits_cleanly(tmp_path):
+    """The issue's script: the Python API first, then a llama_cpp.Llama of the same file that
+    is still alive when the interpreter shuts down."""
+    r = run_script(tmp_path, """
+        import retrograd, llama_cpp
+        m = retrograd.load_model(P)
+        ids = m.tokenize("hello")
+        ours = m.logits(ids)
+        llm = llama_cpp.Llama(P, logits_all=True)
+        llm.eval(ids)
+        print("done", tuple(ours.shape), len(llm.scores[0]), flush=True)
+    """)
+    assert "done (1, 49152) 49152" in r.stdout
+
+
+def test_llama_cpp_then_api_exits_cleanly(tmp_path):
+    """llama.cpp first (imported through retrograd.llamacpp, which every user of llama.cpp in
+    this process must go through for the AMX workaround), then the Python API."""
+    r = run_script(tmp_path, """
+        from retrograd.llamacpp import llama_cpp
+        llm = llama_cpp.Llama(P, logits_all=True)
+        ids = llm.tokenize(b"hello", add_bos=False)
+        llm.eval(ids)
+        import retrograd
+        m = retrograd.load_model(P)
+        assert m.tokenize("hello") == ids, (m.tokenize("hello"), ids)
+        ours = m.logits(ids)
+        print("done", tuple(ours.shape), len(llm.scores[0]), flush=True)
+    """)
+    assert "done (1, 49152) 49152" in r.stdout
+
+
+@pytest.mark.parametrize("show_logs", [False, True], ids=["silent", "RETROGRAD_LLAMA_LOG=1"])
+def test_llama_cpp_logs_safely_after_module_teardown(tmp_path, show_logs):
+    """Interpreter teardown clears module namespaces and collects what they held, and
+    llama.cpp objects still alive then are freed afterwards, logging as they go. Do that to
+    retrograd.llamacpp while a model and context are alive, then decode and free them: the
+    process must live (a ctypes log callback made this a SIGSEGV). llama.cpp stays silent
+    unless RETROGRAD_LLAMA_LOG=1, which shows llama.cpp's own log."""
+    r = run_script(tmp_path, """
+        import retrograd.llamacpp
+        from retrograd.llamacpp import llama_cpp
+        llm = llama_cpp.Llama(P, n_ctx=64, verbose=True)
+        vars(retrograd.llamacpp).clear()
+        gc.collect()
+        garbage = [bytearray(64) for _ in range(100_000)]  # reuse whatever was freed
+        llm.eval(llm.tokenize(b"The capital of France is"))
+        llm.close()  # llama.cpp logs while freeing the context
+        print("alive", flush=True)
+    """, env={"RETROGRAD_LLAMA_LOG": "1" if show_logs else ""})
+    assert "alive" in r.stdout
+    llama_lines = [ln for ln in r.stderr.splitlines() if ln.startswith(("llama_model_loader:", "~llama_context:"))]
+    assert bool(llama_lines) == show_logs, r.stderr[-2000:]
