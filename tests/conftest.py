@@ -10,6 +10,7 @@ import pytest
 import retrograd  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads its OpenMP runtime)
 import torch
 
+import sandboxes
 from gguf_factory import write_f32_copy, write_tiny_model
 from retrograd.bundled import default_model_path, gemma3_path
 
@@ -55,3 +56,62 @@ def smollm2_f32(model_dir, smollm2) -> Path:
 @pytest.fixture(scope="session")
 def ordinary_text() -> str:
     return (DATA / "ordinary_text.txt").read_text()
+
+
+# ---------------------------------------------------------------- sandbox tests: requirement and count
+# Tests marked `container` or `namespace` (see tests/sandboxes.py) skip, or under CI=true fail,
+# when their sandbox cannot run; the summary says how many of each ran.
+
+_SANDBOX = {"kinds": {}, "outcomes": {}}  # nodeid -> kind of the selected tests; nodeid -> (kind, outcome)
+
+
+def _sandbox_kind(item) -> str | None:
+    return next((kind for kind in sandboxes.KINDS if item.get_closest_marker(kind)), None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of the test is set up."""
+    kind = _sandbox_kind(item)
+    if kind is not None:
+        sandboxes.require(kind)
+
+
+def pytest_collection_finish(session):
+    _SANDBOX["kinds"] = {item.nodeid: kind for item in session.items if (kind := _sandbox_kind(item))}
+    _SANDBOX["outcomes"] = {}
+
+
+def pytest_runtest_logreport(report):
+    kind = _SANDBOX["kinds"].get(report.nodeid)
+    if kind is not None and (report.when == "call" or report.outcome != "passed"):
+        # "ran": the test body ran to a pass or a failure; else it skipped (in setup or in its
+        # body) or its setup failed
+        outcome = "skipped" if report.skipped else "ran" if report.when == "call" else "failed"
+        _SANDBOX["outcomes"].setdefault(report.nodeid, (kind, outcome))
+
+
+def _sandbox_counts() -> dict[str, dict[str, int]]:
+    counts = {kind: {"ran": 0, "skipped": 0, "failed": 0} for kind in sandboxes.KINDS}
+    for kind, outcome in _SANDBOX["outcomes"].values():
+        counts[kind][outcome] += 1
+    return counts
+
+
+def _skipped_in_ci() -> bool:
+    return sandboxes.in_ci() and any(c["skipped"] for c in _sandbox_counts().values())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under CI=true a skipped sandbox test, however it came to skip, fails the run."""
+    if _skipped_in_ci() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line, read by .ci/run: `sandbox tests: container N ran; namespace M ran`."""
+    parts = [f"{kind} {c['ran']} ran" + "".join(f", {c[k]} {k}" for k in ("skipped", "failed") if c[k])
+             for kind, c in _sandbox_counts().items()]
+    terminalreporter.write_line("sandbox tests: " + "; ".join(parts))
+    if _skipped_in_ci():
+        terminalreporter.write_line("sandbox tests: CI=true, yet some were skipped: the run fails", red=True)

@@ -1,6 +1,7 @@
 """Distillation end to end: the on-policy pipeline on real llama.cpp sampling with either
-loss and either teacher backend, and an offline top-k run (sidecar, training, bench, all
-through the CLI) that brings a layer-truncated SmolLM2 close to the full one."""
+loss and either teacher backend, an on-policy run that lowers a cut SmolLM2's held-out KL
+to its teacher, and an offline top-k run (sidecar, training, bench, all through the CLI)
+that brings a layer-truncated SmolLM2 close to the full one."""
 
 import importlib.util
 import json
@@ -8,12 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+import retrograd
 from retrograd import bench
 from retrograd.config import load_config
+from retrograd.data import load_prompts
 from retrograd.gguf.adapter import read_adapter
+from retrograd.lora import attach_lora
+from retrograd.objectives.distill import teacher_advantages
 from retrograd.recipes import distill
+from retrograd.recipes.common import load_adapter_weights, open_chat
+from retrograd.recipes.distill import on_policy
 from retrograd.training.report import SilentReporter
 
 RETROGRAD = [sys.executable, "-m", "retrograd"]
@@ -61,9 +70,17 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model):
+def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model, monkeypatch):
     """llama.cpp teacher, two epochs per update (the clipped surrogate), KL to the base,
-    held-out evaluation with a best checkpoint: every output a user looks at exists."""
+    held-out evaluation with a best checkpoint: every output a user looks at exists, and the
+    per-update diagnostics are what their definitions give on the update's tokens."""
+    seen = []  # (teacher_logp, behaviour_logp, mask, weight_clip) of each update
+
+    def spy(teacher_logp, behaviour_logp, mask, weight_clip, *args, **kw):
+        seen.append((teacher_logp.clone(), behaviour_logp.clone(), mask.clone(), weight_clip))
+        return teacher_advantages(teacher_logp, behaviour_logp, mask, weight_clip, *args, **kw)
+
+    monkeypatch.setattr(on_policy, "teacher_advantages", spy)
     cfg = write_config(
         tmp_path,
         tiny_model("llama"),
@@ -77,14 +94,26 @@ def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model):
     rows = records(tmp_path / "out/metrics.jsonl")
     updates = [r for r in rows if "distill/teacher_kl_mean" in r]
     assert len(updates) == 2
-    for r in updates:
-        assert 0 < r["distill/teacher_kl_p95"] <= 2.0 and 0 <= r["distill/advantage_clipped_fraction"] <= 1
-        assert r["distill/teacher_kl_mean"] <= r["distill/teacher_kl_p95"]
+    rollouts = records(tmp_path / "out/rollouts.jsonl")
+    assert len(seen) == 2
+    for u, (r, (teacher, behaviour, mask, clip)) in enumerate(zip(updates, seen)):
+        assert clip == 2.0
+        gap = (teacher - behaviour)[mask.bool()].double().numpy()  # [n] log p_T - log p_S per sampled token
+        divergence = -np.clip(gap, -clip, clip)
+        assert r["distill/teacher_kl_mean"] == pytest.approx(divergence.mean(), rel=1e-6, abs=1e-9)
+        assert r["distill/teacher_kl_p95"] == pytest.approx(np.percentile(divergence, 95), rel=1e-6, abs=1e-9)
+        assert r["distill/advantage_clipped_fraction"] == np.mean(np.abs(gap) > clip)
+        # two random tiny models disagree a lot: the clamp binds on some tokens, not all
+        assert 0 < r["distill/advantage_clipped_fraction"] < 1
+        # the same tokens as rollouts.jsonl's per-completion means (unclamped, log p_S - log p_T)
+        written = [x for x in rollouts if x["update"] == u + 1]
+        assert sum(x["tokens"] for x in written) == len(gap)
+        total = sum(x["tokens"] * x["teacher_kl_mean"] for x in written)
+        assert total == pytest.approx(-gap.sum(), rel=1e-5, abs=1e-4)
         for key in ("policy/kl", "policy/clip_fraction", "completions/truncation_fraction", "timing/teacher_seconds"):
             assert key in r, key
     assert updates[1]["policy/kl"] > 0  # the adapter moved away from the base after the first update
     assert sum("eval/teacher_kl_mean" in r for r in rows) == 2
-    rollouts = records(tmp_path / "out/rollouts.jsonl")
     assert len(rollouts) == 2 * 2 * 3 and {"prompt", "completion", "teacher_kl_mean"} <= set(rollouts[0])
 
 
@@ -116,6 +145,76 @@ def _make_student():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_on_policy_distillation_lowers_the_held_out_reverse_kl(tmp_path, smollm2):
+    """The reverse KL that on-policy distillation minimises, KL(student || teacher) over the
+    full vocabulary, falls on held-out prompts. Teacher: SmolLM2 cut to 9 blocks; student: the
+    same without block 5, so a LoRA on the other 8 can make up for it. Measured exactly (float64
+    softmaxes, no sampling) along each model's greedy answer to 8 prompts of smoke_rl_eval.jsonl,
+    never seen in training: 1.874 -> 1.532 nats/token here (x0.82; x0.93 with another sampling
+    seed, x0.77-0.92 at lr 1e-3). The forward KL on the teacher's answers (retrograd bench) need
+    not fall: the reverse KL is mode-seeking (it rose 1.29 -> 1.36 at lr 1e-3)."""
+    make = _make_student()
+    teacher = make.write_truncated(smollm2, tmp_path / "teacher.gguf", make.parse_layers("0-5,27-29"))
+    student = make.write_truncated(smollm2, tmp_path / "student.gguf", make.parse_layers("0-4,27-29"))
+    cfg = tmp_path / "distill.toml"
+    cfg.write_text(f"""
+[run]
+algorithm = "distill"
+[model]
+path = "{student}"
+weights = "f32"
+[output]
+path = "out/adapter.gguf"
+[lora]
+rank = 8
+alpha = 16.0
+[training]
+ctx = 96
+micro_batch = 512
+lr = 3e-3
+compute_dtype = "f32"
+threads = 2
+[distill]
+teacher_path = "{teacher}"
+prompts = "{EXAMPLES / "data/smoke_rl_prompts.jsonl"}"
+updates = 8
+prompts_per_update = 4
+samples_per_prompt = 4
+[distill.sampling]
+max_new_tokens = 12
+""")
+    config = load_config(cfg)
+    result = distill.run(config, SilentReporter())
+    assert (result.done, result.steps) == (8, 8)
+
+    teacher_model = retrograd.load_model(teacher, weights="f32")
+    student_model = retrograd.load_model(student, weights="f32")
+    loaded = read_adapter(result.output)
+    adapter = attach_lora(student_model.transformer, list(loaded.tensors), loaded.rank, loaded.alpha, seed=0)
+    load_adapter_weights(adapter, result.output)
+    prompts = load_prompts(EXAMPLES / "data/smoke_rl_eval.jsonl", open_chat(config))[:8]
+
+    def held_out_reverse_kl() -> float:
+        """Mean over answer positions of sum_v p_S(v) (log p_S(v) - log p_T(v))."""
+        per_token = []
+        for prompt in prompts:
+            ids = list(prompt.ids)
+            for _ in range(12):  # the student's greedy answer
+                ids.append(int(student_model.logits(ids)[-1].argmax()))
+            n = len(prompt.ids)
+            student_logp = student_model.logits(ids)[n - 1 : -1].double().log_softmax(-1)  # [12, V]
+            teacher_logp = teacher_model.logits(ids)[n - 1 : -1].double().log_softmax(-1)  # [12, V]
+            per_token.append((student_logp.exp() * (student_logp - teacher_logp)).sum(-1))
+        return torch.cat(per_token).mean().item()
+
+    with torch.no_grad():
+        after = held_out_reverse_kl()
+        with adapter.disabled():
+            before = held_out_reverse_kl()
+    print(f"held-out KL(student || teacher): {before:.4f} -> {after:.4f} nats/token")
+    assert after < 0.95 * before, (before, after)
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 bin/build-sandbox-image) and bubblewrap namespaces. Hostile commands must be
 contained and seen by the model as tool errors, leaving the sandbox usable.
 
-Docker tests skip only when no daemon is reachable. CI runs, as root:
+Docker tests (marked `container`) skip only when no daemon is reachable, bubblewrap tests
+(marked `namespace`) when bwrap cannot run; under CI=true either fails instead. CI (.ci/run)
+runs, as root:
   apt-get install -y docker.io bubblewrap debootstrap
   nohup dockerd >/tmp/dockerd.log 2>&1 &  (then wait until `docker info` answers)
   bin/build-sandbox-image"""
@@ -10,7 +12,6 @@ Docker tests skip only when no daemon is reachable. CI runs, as root:
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ from retrograd.rollouts.sandbox import (
 )
 from retrograd.rollouts.sandbox.container import LABEL_INSTANCE, LABEL_RUN, DockerBackend
 from retrograd.rollouts.tools import TIMED_OUT, ToolCatalog
+from sandboxes import unavailable
 
 LIMITS = Limits(cpus=1.0, memory_mb=256, pids=64, exec_timeout_secs=2, max_output_bytes=4096)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +47,7 @@ def docker_client():
         client = docker.from_env()
         client.ping()
     except docker.errors.DockerException as error:
-        pytest.skip(f"no Docker daemon reachable ({str(error).splitlines()[0][:120]}); see this module's docstring")
+        unavailable(f"no Docker daemon reachable ({str(error).splitlines()[0][:120]}); see this module's docstring")
     try:
         client.images.get(DEFAULT_IMAGE)
     except docker.errors.ImageNotFound:
@@ -53,12 +55,11 @@ def docker_client():
     return client
 
 
-@pytest.fixture(scope="module", params=["container", "sandbox"])
+@pytest.fixture(scope="module", params=[pytest.param("container", marks=pytest.mark.container),
+                                        pytest.param("sandbox", marks=pytest.mark.namespace)])
 def pool(request):
     if request.param == "container":
         request.getfixturevalue("docker_client")
-    elif shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (apt-get install -y bubblewrap)")
     pool = open_environment(EnvironmentOptions(type=request.param, limits=LIMITS, pool=PoolOptions(max_live=4)))
     yield pool
     pool.close()
@@ -169,6 +170,7 @@ def containers(client, **labels) -> list:
                                   ignore_removed=True)
 
 
+@pytest.mark.container
 def test_container_is_hardened(docker_client):
     with open_environment(EnvironmentOptions(type="container", limits=LIMITS)) as pool:
         sandbox = pool.acquire()
@@ -183,6 +185,7 @@ def test_container_is_hardened(docker_client):
         sandbox.close()
 
 
+@pytest.mark.container
 def test_close_leaves_no_container(docker_client):
     pool = open_environment(EnvironmentOptions(type="container", limits=LIMITS, pool=PoolOptions(min_idle=1)))
     instance = pool.backend.labels[LABEL_INSTANCE]
@@ -217,6 +220,7 @@ def child():
     process.wait()
 
 
+@pytest.mark.container
 def test_sigint_removes_the_runs_containers(docker_client, child):
     child, run_id = child
     assert len(containers(docker_client, **{LABEL_RUN: run_id})) == 2
@@ -225,6 +229,7 @@ def test_sigint_removes_the_runs_containers(docker_client, child):
     assert containers(docker_client, **{LABEL_RUN: run_id}) == []
 
 
+@pytest.mark.container
 def test_sigkill_leftovers_are_reaped_by_the_next_pool(docker_client, child):
     child, run_id = child
     child.kill()
@@ -234,6 +239,7 @@ def test_sigkill_leftovers_are_reaped_by_the_next_pool(docker_client, child):
     assert containers(docker_client, **{LABEL_RUN: run_id}) == []
 
 
+@pytest.mark.container
 def test_pool_limits_reuse_and_prewarm(docker_client, tools):
     options = EnvironmentOptions(type="container", limits=LIMITS, pool=PoolOptions(
         max_live=2, min_idle=2, reuse="workspace", max_leases_per_container=2))
@@ -263,6 +269,7 @@ def test_pool_limits_reuse_and_prewarm(docker_client, tools):
         assert metrics["env/live_containers_max"] == 2
 
 
+@pytest.mark.container
 def test_a_vanished_container_breaks_the_trajectory(docker_client, tools):
     with open_environment(EnvironmentOptions(type="container", limits=LIMITS)) as pool:
         sandbox = pool.acquire()
@@ -273,6 +280,7 @@ def test_a_vanished_container_breaks_the_trajectory(docker_client, tools):
         assert pool.metrics()["env/sandbox_broken_fraction"] == 1.0
 
 
+@pytest.mark.container
 def test_missing_image_says_how_to_build_it(docker_client):
     with pytest.raises(SandboxError, match=r"bin/build-sandbox-image retrograd-sandbox:missing$"):
         open_environment(EnvironmentOptions(type="container", image="retrograd-sandbox:missing"))

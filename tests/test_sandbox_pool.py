@@ -27,8 +27,7 @@ from retrograd.rollouts.sandbox import (
 from retrograd.rollouts.sandbox.local import LocalBackend
 from retrograd.rollouts.sandbox.owner import process_tag
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap is not installed (apt-get install -y bubblewrap)")
+needs_bwrap = pytest.mark.namespace  # skips without a working bwrap, fails under CI=true (conftest.py)
 
 
 def local_options(**pool) -> EnvironmentOptions:

@@ -4,7 +4,6 @@ namespaces (when bwrap is installed) and the unsandboxed local backend."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -15,10 +14,8 @@ from retrograd.rollouts.tools import BUILTINS, TIMED_OUT, ToolCatalog, ToolResul
 LIMITS = Limits(exec_timeout_secs=1, max_output_bytes=400)
 
 
-@pytest.fixture(scope="module", params=["sandbox", "local"])
+@pytest.fixture(scope="module", params=[pytest.param("sandbox", marks=pytest.mark.namespace), "local"])
 def pool(request):
-    if request.param == "sandbox" and shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (apt-get install -y bubblewrap)")
     pool = open_environment(EnvironmentOptions(type=request.param, allow_unsandboxed=request.param == "local",
                                                limits=LIMITS))
     yield pool
