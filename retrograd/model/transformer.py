@@ -170,7 +170,15 @@ class Attention(nn.Module):
         if layout.trivial:
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, D]
         else:  # gather into rows, with a zero slot for padding
-            q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[layout.rows].transpose(1, 2) for t in (q, k, v))  # [R, heads, L, D]
+            # index_select, not [layout.rows]: a shared prompt sits in several rows, and the
+            # backward of indexing adds those copies up with parallel atomic adds in whatever
+            # order the threads run (run-to-run different gradients); index_select's does
+            # it in index order.
+            q, k, v = (
+                torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, layout.rows.flatten())
+                .view(*layout.rows.shape, *t.shape[1:]).transpose(1, 2)
+                for t in (q, k, v)
+            )  # [R, heads, L, D]
         # torch's CPU flash-attention backward is 3x slower in bf16 on short rows
         attention_dtype = torch.float32 if q.shape[-2] <= SHORT_ROWS else compute_dtype
         q, k, v = q.to(attention_dtype), k.to(attention_dtype), v.to(attention_dtype)  # v: float32 from a LoRA

@@ -15,10 +15,12 @@ f32 cells and llama.cpp's plain attention, whose softmax and products stay in f3
 flash attention casts f32 K/V to f16, so "f32" with flash attention would sample exactly
 the numbers "f16" does).
 
-Whether a sequence's logits ignore its batch neighbours also depends on llama.cpp's matmul
-kernels for the model's quant types: measured bit-exact at any row count for SmolLM2 Q4_1,
-but for Gemma-3 Q4_K_M a decode of 8 rows or more gives each row slightly different logits
-than a smaller one (both KV modes, llama-cpp-python 0.3.36 on CPU).
+Split KV keeps a sequence's cells to itself, but not its numbers: how llama.cpp computes a
+token row depends on the ubatch it lands in (one row or several, fewer or more than 64
+query rows of a sequence, which ids are consecutive; see sampler.py, which therefore only
+ever hands this class two shapes of batch). For Gemma-3 Q4_K_M a decode of 8 rows or more
+was also measured to give each row slightly different logits than a smaller one (both KV
+modes, llama-cpp-python 0.3.36 on CPU); the sampler's steps always have the same row count.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Feed:
     start: int
     tokens: list[int]
     want_logits: bool  # logits of the last token
+    pad: bool = False  # filler: its logits are computed (want_logits) but not copied out
 
 
 class Engine:
@@ -76,7 +79,8 @@ class Engine:
         self._adapter = None
 
     def decode(self, feeds: list[Feed]) -> list[np.ndarray | None]:
-        """One llama_decode over all feeds -> per feed, a copy of its last token's logits [V] (or None)."""
+        """One llama_decode over all feeds -> per feed, a copy of its last token's logits [V]
+        (None without want_logits, or for a pad)."""
         assert self.ctx, "the sampler is closed"
         n = 0
         rows_at = []
@@ -91,7 +95,7 @@ class Engine:
             n += k
             if f.want_logits:
                 self._logits[n - 1] = 1
-            rows_at.append(n - 1 if f.want_logits else None)
+            rows_at.append(n - 1 if f.want_logits and not f.pad else None)
         assert 0 < n <= self.n_batch, n
         self.batch.n_tokens = n
         rc = C.llama_decode(self.ctx, self.batch)
