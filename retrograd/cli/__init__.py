@@ -34,7 +34,7 @@ def main() -> None:
         if os.environ.get("RETROGRAD_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(getattr(e, "exit_code", 2))  # 2: bad input; TrainingDiverged says 1
     except typer.TyperException as e:  # usage errors (typer's own click)
         print(f"error: {e.format_message()} (see retrograd --help)", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2))
