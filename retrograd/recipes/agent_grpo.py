@@ -181,7 +181,7 @@ class AgentLoop(RecipeLoop):
     def run(self, resume) -> AgentResult:
         cfg, a = self.cfg, self.cfg.agent
         self.signature = self._signature()
-        checkpoint = resume_point(cfg, resume)
+        checkpoint = resume_point(cfg, resume, self.reporter)
         self.progress = resume_rollouts(checkpoint, self.signature, self.policy, self.sampler, self.reporter) or self.progress
         self.reporter.message(
             f"agent_grpo: updates={a.updates}, epochs_per_update={a.epochs_per_update}, scenarios={len(self.task.scenarios)}, "

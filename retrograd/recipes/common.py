@@ -59,7 +59,7 @@ class Setup:
         """The one way every recipe stops on a NaN loss or a runaway KL: the reason, and
         where the run can be picked up again."""
         last = latest_checkpoint(self.cfg.checkpoint.directory) if self.cfg.checkpoint else None
-        where = f"; the last good checkpoint is {last} (resume with --resume)" if last else "; no checkpoint was written"
+        where = f"; the last good checkpoint is {last.path} (resume with --resume)" if last else "; no checkpoint was written"
         return TrainingDiverged(reason + where)
 
     @property
@@ -190,9 +190,10 @@ def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     return json.loads(json.dumps(sig, default=str))  # as it will read back from the manifest
 
 
-def resume_point(cfg: Config, resume: Path | bool | None) -> Checkpoint | None:
-    """The checkpoint to resume from: --resume-from PATH, --resume (True: the newest in
-    [checkpoint].directory), or [checkpoint].resume_from; None for a fresh run."""
+def resume_point(cfg: Config, resume: Path | bool | None, reporter: Reporter) -> Checkpoint | None:
+    """The checkpoint to resume from: --resume-from PATH, --resume (True: the newest sound one
+    in [checkpoint].directory, saying which damaged ones it passed over), or
+    [checkpoint].resume_from; None for a fresh run."""
     if resume is None and cfg.checkpoint and cfg.checkpoint.resume_from:
         resume = cfg.checkpoint.resume_from
     if resume is None or resume is False:
@@ -200,10 +201,10 @@ def resume_point(cfg: Config, resume: Path | bool | None) -> Checkpoint | None:
     if resume is True:
         if cfg.checkpoint is None:
             raise DataError("--resume: the config has no [checkpoint] section, so there is nothing to resume")
-        found = latest_checkpoint(cfg.checkpoint.directory)
+        found = latest_checkpoint(cfg.checkpoint.directory, reporter.message)
         if found is None:
             raise DataError(f"--resume: no checkpoint to resume in {cfg.checkpoint.directory}")
-        resume = found
+        return found
     return load_checkpoint(Path(resume))
 
 

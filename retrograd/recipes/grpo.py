@@ -189,7 +189,7 @@ class GRPOLoop(RecipeLoop):
         cfg, g = self.cfg, self.cfg.grpo
         data_files = {"grpo.prompts": g.prompts} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
         self.signature = signature(self.setup, data_files)
-        checkpoint = resume_point(cfg, resume)
+        checkpoint = resume_point(cfg, resume, self.reporter)
         self.progress = resume_rollouts(checkpoint, self.signature, self.policy, self.sampler, self.reporter) or self.progress
         self.reporter.message(
             f"grpo: updates={g.updates}, grpo_epochs_per_update={g.grpo_epochs}, minibatches={g.minibatches}, "

@@ -98,7 +98,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     sig = signature(setup, data_files)
     progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
 
-    checkpoint = resume_point(cfg, resume)
+    checkpoint = resume_point(cfg, resume, reporter)
     if checkpoint is not None:
         check_signature(checkpoint, sig)
         progress = restore_state(checkpoint, setup, optimizer)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from retrograd.training.checkpoint import Checkpoint, restore_rng, save_checkpoint, step_name
+from retrograd.training.checkpoint import Checkpoint, CheckpointError, restore_rng, save_checkpoint, step_name
 
 
 def save_state(setup, optimizer: torch.optim.Optimizer, progress: dict, signature: dict, name: str) -> Path:
     """A checkpoint of the adapter (exact float32 and as a llama.cpp GGUF), optimizer, RNG
     and `progress` (the recipe's counters and data cursor)."""
-    lora = {n: {"a": layer.lora_a.detach().clone(), "b": layer.lora_b.detach().clone()} for n, layer in setup.adapter.layers.items()}
+    lora = {f"{n}.{part}": getattr(layer, f"lora_{part}") for n, layer in setup.adapter.layers.items() for part in "ab"}
     return save_checkpoint(
         setup.cfg.checkpoint.directory, name, write_adapter=setup.export, lora=lora,
         optimizer=optimizer.state_dict(), progress=progress, signature=signature,
@@ -22,14 +22,19 @@ def save_state(setup, optimizer: torch.optim.Optimizer, progress: dict, signatur
 
 
 def restore_state(checkpoint: Checkpoint, setup, optimizer: torch.optim.Optimizer) -> dict:
-    """Put the adapter, optimizer and RNG back as saved; returns the saved progress."""
-    lora = checkpoint.tensor_file("lora.pt")
-    with torch.no_grad():
-        for name, layer in setup.adapter.layers.items():
-            layer.lora_a.copy_(lora[name]["a"])
-            layer.lora_b.copy_(lora[name]["b"])
-    optimizer.load_state_dict(checkpoint.tensor_file("optimizer.pt"))
-    restore_rng(checkpoint.tensor_file("rng.pt"))
+    """Put the adapter, optimizer and RNG back as saved; returns the saved progress. Files that
+    pass their checksums but do not fit this run (hand-made ones) stop with one line."""
+    try:
+        lora = checkpoint.tensors("lora.safetensors")
+        with torch.no_grad():
+            for name, layer in setup.adapter.layers.items():
+                layer.lora_a.copy_(lora[f"{name}.a"])
+                layer.lora_b.copy_(lora[f"{name}.b"])
+        optimizer.load_state_dict(checkpoint.optimizer_state(optimizer))
+        restore_rng(checkpoint.document("rng.json"))
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"{checkpoint.path}: does not fit this run ({type(e).__name__}: {detail})") from None
     return dict(checkpoint.progress)
 
 

@@ -225,7 +225,7 @@ class OfflineLoop(RecipeLoop):
             {"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {}
         )
         self.signature = distill_signature(self.setup, data_files)
-        checkpoint = resume_point(cfg, resume)
+        checkpoint = resume_point(cfg, resume, self.reporter)
         if checkpoint is not None:
             check_signature(checkpoint, self.signature)
             self.progress = restore_state(checkpoint, self.setup, self.optimizer)

@@ -155,7 +155,7 @@ class OnPolicyLoop(RecipeLoop):
             {"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {}
         )
         self.signature = distill_signature(self.setup, data_files)
-        checkpoint = resume_point(cfg, resume)
+        checkpoint = resume_point(cfg, resume, self.reporter)
         self.progress = (
             resume_rollouts(checkpoint, self.signature, self.policy, self.sampler, self.reporter) or self.progress
         )
