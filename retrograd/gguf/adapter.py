@@ -14,6 +14,7 @@ shape is checked against the base model before anything is written.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -115,18 +116,25 @@ class AdapterFile:
 def read_adapter(path: str | os.PathLike) -> AdapterFile:
     """Read a llama.cpp LoRA GGUF (ours or from convert_lora_to_gguf.py)."""
     f = GGUFFile(path)
-    if f.get("general.type") != "adapter" or f.get("adapter.type") != "lora":
-        raise GGUFError(f"{f.path}: not a LoRA adapter (general.type={f.get('general.type')!r}, adapter.type={f.get('adapter.type')!r})")
+    kind, adapter_type = f.get_str("general.type"), f.get_str("adapter.type")
+    if kind != "adapter" or adapter_type != "lora":
+        raise GGUFError(f"{f.path}: not a LoRA adapter (general.type={kind!r:.64}, adapter.type={adapter_type!r:.64})")
+    alpha = f.get_float("adapter.lora.alpha", 0.0)
+    if not math.isfinite(alpha):
+        raise GGUFError(f"{f.path}: adapter.lora.alpha is {alpha}, expected a finite number")
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for name, t in f.tensors.items():
         base, _, suffix = name.rpartition(".")
         if suffix not in ("lora_a", "lora_b"):
-            raise GGUFError(f"{f.path}: unexpected tensor {name} in a LoRA adapter")
-        values = np.asarray(gguf.quants.dequantize(t.data, t.qtype), dtype=np.float32).reshape(t.shape)
+            raise GGUFError(f"{f.path}: unexpected tensor {name!r} in a LoRA adapter")
+        try:
+            values = np.asarray(gguf.quants.dequantize(t.data, t.qtype), dtype=np.float32).reshape(t.shape)
+        except NotImplementedError:
+            raise GGUFError(f"{f.path}: tensor {name!r} has type {t.qtype.name}, which cannot be dequantized") from None
         pairs.setdefault(base, {})[suffix] = values
     tensors = {}
     for base, p in pairs.items():
         if set(p) != {"lora_a", "lora_b"}:
             raise GGUFError(f"{f.path}: {base} has only {', '.join(p)}")
         tensors[base] = LoRAWeights(p["lora_a"], p["lora_b"])
-    return AdapterFile(str(f.get("general.architecture")), float(f.get("adapter.lora.alpha", 0.0)), tensors)
+    return AdapterFile(str(f.get_str("general.architecture")), alpha, tensors)

@@ -8,6 +8,7 @@ src/models/), since llama.cpp is the reference our logits must match.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from retrograd.errors import GGUFError, UnsupportedArchError
@@ -58,59 +59,111 @@ class ModelSpec:
         return self.n_head // self.n_head_kv
 
 
-def _layer_int(f: GGUFFile, key: str, n_layer: int) -> int:
+# llama.cpp keeps hyperparameters in 32-bit integers; a file claiming more is damaged
+MAX_HPARAM = 2**31 - 1
+
+
+def _int(f: GGUFFile, key: str, default: int | None = None, *, minimum: int = 1) -> int:
+    """A required (default None) or optional integer hyperparameter, in [minimum, MAX_HPARAM]."""
+    value = f.get_int(key, default)
+    if value is None:
+        raise GGUFError(f"{f.path}: missing metadata key {key}")
+    return _in_range(f, key, value, minimum)
+
+
+def _in_range(f: GGUFFile, key: str, value: int, minimum: int) -> int:
+    if not minimum <= value <= MAX_HPARAM:
+        raise GGUFError(f"{f.path}: metadata {key} is {value}, expected {minimum} to {MAX_HPARAM}")
+    return value
+
+
+def _float(f: GGUFFile, key: str, default: float | None = None, *, positive: bool = True) -> float:
+    """A required (default None) or optional finite float hyperparameter, above zero or at least zero."""
+    value = f.get_float(key, default)
+    if value is None:
+        raise GGUFError(f"{f.path}: missing metadata key {key}")
+    if not math.isfinite(value) or value < 0.0 or (positive and value == 0.0):
+        bound = "above 0" if positive else "of at least 0"
+        raise GGUFError(f"{f.path}: metadata {key} is {value}, expected a finite number {bound}")
+    return value
+
+
+def _layer_int(f: GGUFFile, key: str, n_layer: int, default: int | None = None) -> int:
     """head_count(_kv) may be stored per layer; we need one value."""
-    value = f.require(key)
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise GGUFError(f"{f.path}: {key} differs between layers ({sorted(set(value))}); not supported")
-        value = value[0]
-    return int(value)
+    length = f.array_length(key)
+    if length is None:
+        return _int(f, key, default)
+    if length != n_layer:
+        raise GGUFError(f"{f.path}: {key} has {length} entries for {n_layer} layers")
+    values = sorted(set(f.get_ints(key)))
+    if len(values) != 1:
+        raise GGUFError(f"{f.path}: {key} differs between layers ({values[:8]}); not supported")
+    return _in_range(f, key, values[0], 1)
+
+
+def _vocabulary_size(f: GGUFFile) -> int | None:
+    """The length of tokenizer.ggml.tokens. llama.cpp aborts the whole process (a GGML_ASSERT,
+    not an error it returns) on a vocabulary that lists a token twice: such a file stops here,
+    before the tokenizer hands it to llama.cpp (0.2 s for Gemma-3's 262144 tokens)."""
+    tokens = f.get_strs("tokenizer.ggml.tokens")
+    if tokens is None:
+        return None
+    if len(set(tokens)) != len(tokens):
+        token, count = Counter(tokens).most_common(1)[0]
+        raise GGUFError(f"{f.path}: tokenizer.ggml.tokens lists the token {token[:64]!r} {count} times")
+    return len(tokens)
 
 
 def read_spec(f: GGUFFile) -> ModelSpec:
-    arch = f.get("general.architecture")
+    """Every value typed and bounded: a hostile file gets one GGUFError line, never a crash
+    or an allocation sized by the file's say-so."""
+    arch = f.get_str("general.architecture")
     if arch is None:
         raise GGUFError(f"{f.path}: missing metadata key general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedArchError(
-            f"{f.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"{f.path}: architecture {arch[:64]!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
         )
     k = lambda key: f"{arch}.{key}"  # noqa: E731
-    n_layer = int(f.require(k("block_count")))
-    n_embd = int(f.require(k("embedding_length")))
+    n_layer = _int(f, k("block_count"))
+    if n_layer > len(f.tensors):  # every layer has tensors of its own
+        raise GGUFError(f"{f.path}: metadata {k('block_count')} is {n_layer}, but the file has only {len(f.tensors)} tensors")
+    n_embd = _int(f, k("embedding_length"))
     n_head = _layer_int(f, k("attention.head_count"), n_layer)
-    n_head_kv = _layer_int(f, k("attention.head_count_kv"), n_layer) if f.get(k("attention.head_count_kv")) is not None else n_head
+    n_head_kv = _layer_int(f, k("attention.head_count_kv"), n_layer, n_head)
     n_ff = _layer_int(f, k("feed_forward_length"), n_layer)
-    head_dim = int(f.get(k("attention.key_length"), n_embd // n_head))
-    head_dim_v = int(f.get(k("attention.value_length"), head_dim))
+    head_dim = _int(f, k("attention.key_length"), max(n_embd // n_head, 1))
+    head_dim_v = _int(f, k("attention.value_length"), head_dim)
     if n_head % n_head_kv:
         raise GGUFError(f"{f.path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
 
     emb = f.tensors.get("token_embd.weight")
     if emb is None:
         raise GGUFError(f"{f.path}: missing tensor token_embd.weight")
-    n_vocab = int(f.get(k("vocab_size"), f.array_length("tokenizer.ggml.tokens") or emb.shape[0]))
+    n_vocab = _int(f, k("vocab_size"), _vocabulary_size(f) or emb.shape[0])
 
-    scaling = f.get(k("rope.scaling.type"), "none")
+    scaling = f.get_str(k("rope.scaling.type"), "none")
     if scaling not in ("none", "linear"):
-        raise GGUFError(f"{f.path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
-    factor = float(f.get(k("rope.scaling.factor"), 1.0) or 1.0) if scaling == "linear" else 1.0
+        raise GGUFError(f"{f.path}: rope scaling {scaling[:64]!r} is not supported (supported: none, linear)")
+    factor = (_float(f, k("rope.scaling.factor"), 1.0, positive=False) or 1.0) if scaling == "linear" else 1.0  # 0: unset
 
     sliding_window = 0
     swa_layers = (False,) * n_layer
     attn_scale = 1.0 / math.sqrt(head_dim)
     if arch == "gemma3":
-        sliding_window = int(f.get(k("attention.sliding_window"), 0))
+        sliding_window = _int(f, k("attention.sliding_window"), 0, minimum=0)
         if sliding_window > 0:
             # llama.cpp set_swa_pattern(6): every sixth layer is global, the rest slide
             swa_layers = tuple(i % 6 < 5 for i in range(n_layer))
         if n_layer == 62:  # gemma3-27B scales by n_embd/n_head, as llama.cpp does
             attn_scale = 1.0 / math.sqrt(n_embd / n_head)
 
+    n_rot = _int(f, k("rope.dimension_count"), head_dim)
+    if n_rot > head_dim:
+        raise GGUFError(f"{f.path}: metadata {k('rope.dimension_count')} is {n_rot}, more than the head size {head_dim}")
     return ModelSpec(
         arch=arch,
-        name=str(f.get("general.name", f.path.stem)),
+        name=f.get_str("general.name", f.path.stem),
         n_layer=n_layer,
         n_embd=n_embd,
         n_ff=n_ff,
@@ -119,11 +172,11 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         head_dim=head_dim,
         head_dim_v=head_dim_v,
         n_vocab=n_vocab,
-        context_length=int(f.get(k("context_length"), 2048)),
-        norm_eps=float(f.require(k("attention.layer_norm_rms_epsilon"))),
+        context_length=_int(f, k("context_length"), 2048),
+        norm_eps=_float(f, k("attention.layer_norm_rms_epsilon")),
         rope_style=ROPE_STYLE[arch],
-        n_rot=int(f.get(k("rope.dimension_count"), head_dim)),
-        rope_base=float(f.get(k("rope.freq_base"), 10000.0)),
+        n_rot=n_rot,
+        rope_base=_float(f, k("rope.freq_base"), 10000.0),
         rope_freq_scale=1.0 / factor,
         rope_base_swa=10000.0,
         qkv_bias="blk.0.attn_q.bias" in f.tensors,
@@ -135,8 +188,8 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         sliding_window=sliding_window,
         swa_layers=swa_layers,
         # llama.cpp applies the final soft-cap only in its non-sliding-window gemma3 graph
-        final_logit_softcap=float(f.get(k("final_logit_softcapping"), 0.0) or 0.0) if sliding_window == 0 else 0.0,
+        final_logit_softcap=_float(f, k("final_logit_softcapping"), 0.0, positive=False) if sliding_window == 0 else 0.0,
         tied_output="output.weight" not in f.tensors,
-        chat_template=f.get("tokenizer.chat_template"),
+        chat_template=f.get_str("tokenizer.chat_template"),
     )
 
