@@ -37,8 +37,13 @@ def bwrap_problem() -> str | None:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return "bubblewrap is not installed (apt-get install -y bubblewrap)"
-    if shutil.which("prlimit") is None:
-        return "prlimit is not installed (apt-get install -y util-linux)"
+    from retrograd.rollouts.sandbox.base import SandboxError
+    from retrograd.rollouts.sandbox.syscall_filter import compile_filter
+
+    try:
+        compile_filter()  # the seccomp program every namespace sandbox loads
+    except SandboxError as error:
+        return str(error)
     probe = subprocess.run([bwrap, "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True, text=True,
                            timeout=30, check=False)
     if probe.returncode != 0:

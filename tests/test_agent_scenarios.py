@@ -55,6 +55,8 @@ def test_without_an_environment_there_are_no_tools_and_the_judge_scores(tmp_path
     ({"id": "x", "user": "hi", "metadata": {"env": {"toolset": "nope"}}}, "metadata.env.toolset = 'nope'"),
     ({"id": "x", "user": "hi", "metadata": {"env": {"files": {"../up": "x"}}}}, "must be relative to /work"),
     ({"id": "x", "user": "hi", "metadata": {"env": {"verify": {"cmd": "true"}}}}, "metadata.env.verify"),
+    ({"id": "x", "user": "hi", "metadata": {"env": {"verify": {"command": "true", "check_files": ["t.py"]}}}},
+     "metadata.env.verify.check_files: 't.py' is not one of metadata.env.files"),
     ({"id": "x", "user": "hi", "metadata": {"env": {}}}, "nothing could score it"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object per line"),

@@ -1,6 +1,7 @@
 """What every sandbox offers a trajectory: `exec` with a timeout and capped output,
 scenario files and setup, verify, workspace reset and close. The backends
-(container.py, namespace.py, local.py) implement only `_exec` and `destroy`."""
+(container.py, namespace.py, local.py) implement only `_exec` and `destroy`, and
+`_exec_as_verifier` where they have a second uid to run verify under."""
 
 from __future__ import annotations
 
@@ -10,12 +11,10 @@ import os
 import posixpath
 import selectors
 import shlex
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from retrograd.errors import RetrogradError
 from retrograd.rollouts.sandbox.options import Limits, ScenarioEnv, VerifySpec
@@ -26,10 +25,31 @@ WRITE_SCRIPT = ('[ -d "$1" ] && exit 3; mkdir -p -- "$(dirname -- "$1")" 2>/dev/
                 'cat > "$1" 2>/dev/null || exit 5')
 WRITE_ERRORS = {3: "it is a directory", 4: "its parent directory cannot be created",
                 5: "it cannot be written (no space left or no permission)"}
-# Empties the workspace and temp dirs ($1, $2) and fails unless both end up empty.
-WIPE_SCRIPT = ('chmod -R u+rwX -- "$1" "$2" 2>/dev/null; chmod 755 "$1"; '
-               'find "$1" "$2" -mindepth 1 -delete 2>/dev/null; '
-               'test -z "$(find "$1" "$2" -mindepth 1 -print -quit)"')
+# Empties the workspace ($1) and the other scratch dirs ($2...) and fails unless all end up empty.
+WIPE_SCRIPT = ('chmod -R u+rwX -- "$@" 2>/dev/null; chmod 755 "$1" 2>/dev/null; '
+               'find "$@" -mindepth 1 -delete 2>/dev/null; '
+               'test -z "$(find "$@" -mindepth 1 -print -quit)"')
+# Writes stdin to the path $2/$3/.../$N under the workspace $1, replacing whatever is there. A link or
+# file on the way is removed, never followed, and so is the bytecode Python may have cached for it.
+RESTORE_SCRIPT = ('chmod u+rwx -- "$1" 2>/dev/null; cd -- "$1" || exit 4; shift; '
+                  'while [ $# -gt 1 ]; do '
+                  '{ [ -L "$1" ] || { [ -e "$1" ] && [ ! -d "$1" ]; }; } && rm -f -- "$1"; '
+                  '[ -d "$1" ] || mkdir -- "$1" || exit 4; chmod u+rwx -- "$1"; cd -- "$1" || exit 4; shift; done; '
+                  'chmod -R u+rwX -- "$1" 2>/dev/null; rm -rf -- "$1" "__pycache__/${1%.py}".* || exit 5; '
+                  'cat > "$1" || exit 5')
+# Runs "$@" (after $1, the text of a sitecustomize.py) as a trusted program: verify, or a tool whose
+# output the trainer believes. Python finds nothing of the workspace before its own modules: no script
+# dir or cwd first on sys.path (PYTHONSAFEPATH; the sitecustomize, written to a fresh private dir, appends
+# it last), no user site under a HOME the policy can write, no bytecode written into the workspace.
+TRUSTED_SCRIPT = ('g=$(mktemp -d) || exit 125; printf %s "$1" > "$g/sitecustomize.py" || exit 125; shift; '
+                  'export HOME="$g" PYTHONPATH="$g" PYTHONSAFEPATH=1 PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1; '
+                  '"$@"; status=$?; rm -rf -- "$g"; exit $status')
+SITE_CUSTOMIZE = """\
+import os, sys
+main = sys.argv[0] if sys.argv else ""
+sys.path.append(os.getcwd() if main in ("", "-", "-c", "-m") else
+                os.path.dirname(os.path.realpath(main)) if os.path.isfile(main) else main)
+"""
 KILL_GRACE_SECS = 5.0  # after a timeout kill, how long the streams may take to close
 
 
@@ -57,6 +77,8 @@ class Sandbox(abc.ABC):
 
     workdir = "/work"
     tmpdir = "/tmp"
+    scratch_dirs: tuple[str, ...] = ()  # other places a command can leave files in; reset empties them too
+    wipe_script = WIPE_SCRIPT
 
     def __init__(self, limits: Limits):
         self.limits = limits
@@ -66,12 +88,15 @@ class Sandbox(abc.ABC):
         self.timeout_count = 0
         self.release: Callable[[Sandbox], None] | None = None  # set by the pool while leased
 
-    def exec(self, argv: Sequence[str], stdin: bytes = b"", timeout: float | None = None) -> ExecResult:
+    def exec(self, argv: Sequence[str], stdin: bytes = b"", timeout: float | None = None,
+             as_verifier: bool = False) -> ExecResult:
+        """`as_verifier`: run as the verifier's uid where the backend has one (see _exec_as_verifier)."""
         if self.broken:
             raise SandboxBroken("the sandbox is broken and cannot run commands")
         timeout = self.limits.exec_timeout_secs if timeout is None else timeout
+        run = self._exec_as_verifier if as_verifier else self._exec
         try:
-            result = self._exec(tuple(argv), bytes(stdin), float(timeout))
+            result = run(tuple(argv), bytes(stdin), float(timeout))
         except SandboxBroken:
             self.broken = True
             raise
@@ -101,8 +126,18 @@ class Sandbox(abc.ABC):
                                    f"{_first_line(result.stderr or result.stdout)}")
 
     def verify(self, spec: VerifySpec, timeout: float, stdin: bytes = b"") -> float:
-        """The terminal reward: reward_on_success when the command exits 0 in time, else 0.0."""
-        result = self.exec(spec.command, stdin=stdin, timeout=timeout)
+        """The terminal reward: reward_on_success when the command exits 0 in time, else 0.0.
+        The check files are written afresh first (no command of the policy runs any more),
+        then the command runs as a trusted program, as the verifier."""
+        deadline = time.monotonic() + timeout
+        for path, text in spec.check_files:
+            parts = posixpath.normpath(path).split("/")
+            result = self.exec(["sh", "-c", RESTORE_SCRIPT, "sh", self.workdir, *parts], stdin=text.encode(),
+                               timeout=max(deadline - time.monotonic(), 0.001))
+            if result.exit_code != 0 or result.timed_out:  # the policy filled or locked its workspace
+                return 0.0
+        result = self.exec(trusted(spec.command), stdin=stdin, timeout=max(deadline - time.monotonic(), 0.001),
+                           as_verifier=True)
         return spec.reward_on_success if result.exit_code == 0 and not result.timed_out else 0.0
 
     def close(self) -> None:
@@ -118,8 +153,11 @@ class Sandbox(abc.ABC):
 
     def reset(self) -> bool:
         """Makes the sandbox look new for the next episode; False when that failed."""
-        result = self.exec(["sh", "-c", WIPE_SCRIPT, "sh", self.workdir, self.tmpdir], timeout=30)
+        result = self.exec(self.wipe_command(), timeout=30)
         return result.exit_code == 0 and not result.timed_out
+
+    def wipe_command(self) -> list[str]:
+        return ["sh", "-c", self.wipe_script, "sh", self.workdir, self.tmpdir, *self.scratch_dirs]
 
     @abc.abstractmethod
     def _exec(self, argv: tuple[str, ...], stdin: bytes, timeout: float) -> ExecResult:
@@ -128,6 +166,17 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     def destroy(self) -> None:
         """Remove the sandbox and everything it started."""
+
+    def _exec_as_verifier(self, argv: tuple[str, ...], stdin: bytes, timeout: float) -> ExecResult:
+        """Like _exec, as a uid that the policy's commands run under neither, so that they cannot
+        change what verify reads or runs. A backend without a second uid runs it as the policy's;
+        its calls still never overlap the policy's (they leave no process behind)."""
+        return self._exec(argv, stdin, timeout)
+
+
+def trusted(argv: Sequence[str]) -> list[str]:
+    """argv wrapped to run as a trusted program (TRUSTED_SCRIPT)."""
+    return ["sh", "-c", TRUSTED_SCRIPT, "sh", SITE_CUSTOMIZE, *argv]
 
 
 def _first_line(data: bytes) -> str:
@@ -231,16 +280,3 @@ def run_process(argv: Sequence[str], stdin: bytes, timeout: float, limit: int,
             proc.wait()
     return ExecResult(exit_code=exit_status(proc.returncode), stdout=bytes(out.data), stderr=bytes(err.data),
                       timed_out=not finished, truncated=out.truncated or err.truncated)
-
-
-def force_remove(path: Path) -> None:
-    """rmtree that first restores the owner's permissions a command may have removed."""
-    if not path.exists():
-        return
-    for directory, subdirectories, _ in os.walk(path):
-        for name in subdirectories:  # before os.walk descends into them
-            try:
-                os.chmod(os.path.join(directory, name), 0o700)
-            except OSError:
-                pass
-    shutil.rmtree(path, ignore_errors=True)

@@ -2,11 +2,22 @@
 
 Hardening (notes §5): no network, read-only root with tmpfs /work and /tmp,
 a non-root user, every capability dropped, no-new-privileges, memory == memory+swap,
-pids and CPU limits, a private cgroup namespace and a fixed hostname (so that no
-container id leaks into observations). PID 1 is a small shell that reaps orphans
-and, on SIGUSR1, SIGKILLs every other process: that is how a timeout kills a
-command's whole tree, even a fork bomb that leaves no pid for a helper process.
-A call that ends normally sweeps its leftover processes itself (RUN_THEN_SWEEP).
+pids and CPU limits, rlimits on open files and file size (no core dumps), a sized
+/dev/shm, no host devices (Docker's standard null, zero, full, random, urandom, tty
+only), a private cgroup namespace and a fixed hostname (so that no container id
+leaks into observations). PID 1 is a small shell that reaps orphans (it is the
+container's init) and, on SIGUSR1, SIGKILLs every other process: that is how a
+timeout kills a command's whole tree, even a fork bomb that leaves no pid for a
+helper process. A call that ends normally sweeps its leftover processes itself
+(RUN_THEN_SWEEP). Docker's own init (`init=True`) cannot take PID 1's place: the
+keeper would then be PID 2, and the sweep's `kill -9 -1` would stop the container.
+
+`verify` runs as `verify_user`, whose processes the policy's uid can neither
+signal nor edit; the keeper cannot signal them either, so a verify that times out
+costs the container (it is killed, and the pool replaces it).
+
+`allow_network = true` uses Docker's default bridge: the host's services and cloud
+metadata addresses are reachable too (NETWORK_WARNING is printed at start-up).
 
 Commands run through the exec API; its hijacked stream is opened here on a raw
 socket, so no byte can hide in an HTTP client's read-ahead buffer."""
@@ -16,16 +27,19 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 import time
 import uuid
 from collections.abc import Callable
 
 import docker
 import docker.errors
+import docker.types
 
 from retrograd.rollouts.sandbox import owner
 from retrograd.rollouts.sandbox.base import (
     KILL_GRACE_SECS,
+    WIPE_SCRIPT,
     CappedBuffer,
     ExecResult,
     Sandbox,
@@ -33,7 +47,13 @@ from retrograd.rollouts.sandbox.base import (
     SandboxError,
     pump,
 )
-from retrograd.rollouts.sandbox.options import DEFAULT_IMAGE, EnvironmentOptions
+from retrograd.rollouts.sandbox.options import (
+    DEFAULT_IMAGE,
+    NETWORK_WARNING,
+    WHERE,
+    EnvironmentOptions,
+    host_path_problem,
+)
 
 LABEL_RUN = "retrograd.pool"  # the run id
 LABEL_HOST = "retrograd.host"
@@ -45,6 +65,8 @@ KILL_SIGNAL = "SIGUSR1"
 # namespace sandbox, so the state between calls is the filesystem alone (and a fork bomb dies).
 RUN_THEN_SWEEP = '"$@"; status=$?; kill -9 -1 2>/dev/null; exit $status'
 CACHE_MOUNT = "/opt/cache"
+NOFILE = 1024  # open files per process
+KILLED = 128 + 9  # the exit code of a command killed at its timeout
 
 
 class DockerBackend:
@@ -55,13 +77,18 @@ class DockerBackend:
         self.image_id = _image_id(self.client, options.image, self.endpoint)  # for the run's record
         self.labels = {LABEL_RUN: options.run_id or f"pid-{os.getpid()}", LABEL_HOST: owner.host_name(),
                        LABEL_OWNER: owner.process_tag(), LABEL_INSTANCE: uuid.uuid4().hex}
+        _check_named_volume(self.client, options)
         reap_orphans(self.client)
+        if options.allow_network:
+            print(f"warning: {NETWORK_WARNING}", file=sys.stderr, flush=True)
 
     def create(self) -> ContainerSandbox:
         limits, (uid, gid) = self.options.limits, self.options.uid_gid
-        # Workspace and /tmp live in the container's memory: half and a quarter of it, so that
-        # a full disk is an ENOSPC the model sees, not an OOM kill.
-        work_mb, tmp_mb = limits.memory_mb // 2, limits.memory_mb // 4
+        # Workspace, /tmp and /dev/shm live in the container's memory (options.Limits sizes them), so
+        # that a full disk is an ENOSPC the model sees, not an OOM kill. No file may outgrow the workspace.
+        work_mb, tmp_mb, shm_mb = limits.workspace_size_mb, limits.tmp_size_mb, limits.shm_size_mb
+        ulimits = [docker.types.Ulimit(name=name, soft=value, hard=value)
+                   for name, value in (("nofile", NOFILE), ("fsize", work_mb << 20), ("core", 0))]
         try:
             container = self.client.containers.run(
                 self.image_id, KEEPER, detach=True, labels=self.labels, user=self.options.user,
@@ -75,8 +102,9 @@ class DockerBackend:
                 cap_drop=["ALL"], security_opt=["no-new-privileges"],
                 mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
                 pids_limit=limits.pids, nano_cpus=int(limits.cpus * 1e9), cgroupns="private",
+                ulimits=ulimits, shm_size=f"{shm_mb}m",  # and no devices=: no host device is passed in
                 runtime=self.options.runtime,
-                volumes={self.options.cache_volume: {"bind": CACHE_MOUNT, "mode": "ro"}}
+                volumes={self.options.cache_volume_source: {"bind": CACHE_MOUNT, "mode": "ro"}}
                 if self.options.cache_volume else None,
             )
         except docker.errors.DockerException as error:
@@ -114,19 +142,36 @@ class DockerBackend:
 
 
 class ContainerSandbox(Sandbox):
+    scratch_dirs = ("/dev/shm", "/dev/mqueue")
+    # System V IPC objects live in no folder: ipcrm removes those of the user that runs it.
+    wipe_script = "ipcrm --all 2>/dev/null; " + WIPE_SCRIPT
+
     def __init__(self, backend: DockerBackend, container_id: str):
         super().__init__(backend.options.limits)
         self.backend = backend
         self.id = container_id
 
+    def reset(self) -> bool:
+        """The verifier's leftovers go first: in the sticky /tmp and /dev/shm only their owner
+        may remove them. Its wipe fails on the policy's files; the policy's own wipe, next,
+        removes those and checks that everything is empty."""
+        self.exec(self.wipe_command(), timeout=30, as_verifier=True)
+        return super().reset()
+
     def _exec(self, argv: tuple[str, ...], stdin: bytes, timeout: float) -> ExecResult:
+        return self._run(argv, stdin, timeout, self.backend.options.user)
+
+    def _exec_as_verifier(self, argv: tuple[str, ...], stdin: bytes, timeout: float) -> ExecResult:
+        return self._run(argv, stdin, timeout, self.backend.options.verify_user)
+
+    def _run(self, argv: tuple[str, ...], stdin: bytes, timeout: float, user: str) -> ExecResult:
         api = self.backend.client.api
         limit = self.limits.max_output_bytes
         out, err = CappedBuffer(limit), CappedBuffer(limit)
         frames = FrameReader({1: out.write, 2: err.write})
         try:
             exec_id = api.exec_create(self.id, ["sh", "-c", RUN_THEN_SWEEP, "sh", *argv], stdin=True,
-                                      user=self.backend.options.user, workdir="/work")["Id"]
+                                      user=user, workdir="/work")["Id"]
             sock, first = self.backend.open_exec_stream(exec_id)
         except (docker.errors.DockerException, OSError) as error:
             raise SandboxBroken(f"container exec failed: {_short(error)}") from None
@@ -136,11 +181,12 @@ class ContainerSandbox(Sandbox):
             finished = pump({fd: frames.feed}, fd, stdin, lambda: _shutdown_write(sock),
                             time.monotonic() + timeout)
             if not finished:
-                self._kill_processes()
+                # The keeper kills the policy's processes; only the container's end kills the verifier's.
+                self._kill(KILL_SIGNAL if user == self.backend.options.user else "SIGKILL")
                 if not pump({fd: frames.feed}, None, b"", _nothing, time.monotonic() + KILL_GRACE_SECS):
                     raise SandboxBroken("a command survived the timeout kill")
-        return ExecResult(exit_code=self._exit_code(exec_id), stdout=bytes(out.data), stderr=bytes(err.data),
-                          timed_out=not finished, truncated=out.truncated or err.truncated)
+        return ExecResult(exit_code=self._exit_code(exec_id) if finished else KILLED, stdout=bytes(out.data),
+                          stderr=bytes(err.data), timed_out=not finished, truncated=out.truncated or err.truncated)
 
     def _exit_code(self, exec_id: str) -> int:
         deadline = time.monotonic() + KILL_GRACE_SECS
@@ -155,10 +201,11 @@ class ContainerSandbox(Sandbox):
                 raise SandboxBroken("a command kept running after its output closed")
             time.sleep(0.01)
 
-    def _kill_processes(self) -> None:
-        """SIGUSR1 to PID 1, which SIGKILLs every other process; needs no free pid."""
+    def _kill(self, signal: str) -> None:
+        """SIGUSR1 to PID 1, which SIGKILLs every other process; needs no free pid.
+        SIGKILL ends the container."""
         try:
-            self.backend.client.api.kill(self.id, signal=KILL_SIGNAL)
+            self.backend.client.api.kill(self.id, signal=signal)
         except docker.errors.DockerException as error:
             raise SandboxBroken(f"container kill failed: {_short(error)}") from None
 
@@ -182,6 +229,26 @@ class FrameReader:
                 return
             self.sinks.get(stream, _nothing)(bytes(self.buffer[8:8 + size]))
             del self.buffer[:8 + size]
+
+
+def _check_named_volume(client: docker.DockerClient, options: EnvironmentOptions) -> None:
+    """A named cache volume must exist (Docker would create an empty one) and, when it binds a
+    host folder, pass the checks of a host path (options.py)."""
+    name = options.cache_volume
+    if name is None or name.startswith("/"):
+        return
+    key = f"{WHERE}.cache_volume = {name!r}"
+    try:
+        volume = client.volumes.get(name)
+    except docker.errors.NotFound:
+        raise SandboxError(f"{key}: no such volume on the Docker daemon; create it (docker volume create {name}) "
+                           f"or name a host path") from None
+    except docker.errors.DockerException as error:
+        raise SandboxError(f"{key}: cannot inspect the volume: {_short(error)}") from None
+    device = (volume.attrs.get("Options") or {}).get("device", "")
+    problem = host_path_problem(device, options.cache_volume_roots) if device.startswith("/") else None
+    if problem:
+        raise SandboxError(f"{key} binds the host path {device}: {problem}")
 
 
 # --- reaper ---------------------------------------------------------------------------------------

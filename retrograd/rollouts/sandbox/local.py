@@ -1,7 +1,9 @@
 """`type = "local"`: a temporary directory on this host, no isolation at all.
 Refused unless `allow_unsandboxed = true` (checked in options.py). Only the exec
 timeout and the output cap apply; paths under the temp dir can leak into
-observations, so runs are not fully deterministic (notes §5)."""
+observations, so runs are not fully deterministic (notes §5). Folders live in the
+private per-user parent of cleanup.py and are removed without following the links
+a command may have planted."""
 
 from __future__ import annotations
 
@@ -13,14 +15,15 @@ from pathlib import Path
 
 import psutil
 
-from retrograd.rollouts.sandbox.base import ExecResult, Sandbox, force_remove, run_process
+from retrograd.rollouts.sandbox.base import ExecResult, Sandbox, run_process
+from retrograd.rollouts.sandbox.cleanup import force_remove, make_folder
 from retrograd.rollouts.sandbox.options import EnvironmentOptions
 
 
 class LocalBackend:
     def __init__(self, options: EnvironmentOptions):
         self.options = options
-        self.root = Path(tempfile.mkdtemp(prefix="retrograd-local-"))
+        self.root = make_folder("local")
 
     def create(self) -> LocalSandbox:
         return LocalSandbox(self.options, Path(tempfile.mkdtemp(dir=self.root)))
