@@ -1,10 +1,12 @@
 """A model's chat template and tokenizer together: render conversations with the GGUF's own
 Jinja template and tokenize the result exactly as llama.cpp does.
 
-The template runs in Jinja's immutable sandbox with the helpers Hugging Face and llama.cpp
-templates expect: `raise_exception`, `strftime_now`, a `tojson` that leaves non-ASCII and
-`<>&` alone, `bos_token`/`eos_token`, `add_generation_prompt`, `tools`, the loop-control
-extension, plus the user's `template_variables`.
+The template runs in Jinja's immutable sandbox, with a budget of steps, sizes and time
+(bounded_jinja.py: a template inside a downloaded GGUF is untrusted code), and with the
+helpers Hugging Face and llama.cpp templates expect: `raise_exception`, `strftime_now`, a
+`tojson` that leaves non-ASCII and `<>&` alone, `bos_token`/`eos_token`,
+`add_generation_prompt`, `tools`, the loop-control extension, plus the user's
+`template_variables`.
 
 A model without a template (Gemma-3-270M ships none) gets no silent ChatML: chat data is
 refused with an error that says how to name a template explicitly (a built-in name from
@@ -13,7 +15,6 @@ CHAT_TEMPLATES or a Jinja file). Plain-text data needs no template at all.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from datetime import datetime
 from functools import cached_property
@@ -21,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from retrograd.data import bounded_jinja
+from retrograd.data.bounded_jinja import BoundedEnvironment, BudgetExceeded
 from retrograd.errors import ConfigError, DataError
 from retrograd.model.tokenizer import Tokenizer
 
@@ -59,6 +61,11 @@ CHAT_TEMPLATES = {"chatml": CHATML, "gemma": GEMMA}
 PROBE_CATALOGUE = "probe-catalogue-sentinel"
 PROBE_ARGUMENT = "probe-argument-sentinel"
 PROBE_OBSERVATION = "probe-observation-sentinel"
+MAX_QUOTED = 300  # characters of a template's own error text quoted in ours
+
+
+class TemplateBudgetError(DataError):
+    """A chat template went past its rendering budget (bounded_jinja.py)."""
 
 
 def resolve_chat_template(gguf_template: str | None, override: str | None = None) -> str | None:
@@ -113,18 +120,19 @@ class ChatFormat:
     @cached_property
     def _template(self) -> jinja2.Template:
         assert self.source is not None, "require_template() first"
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = _tojson
+        env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = PINNED_NOW.strftime
         try:
-            return env.from_string(self.source)
+            return env.compile_template(self.source)
         except jinja2.TemplateSyntaxError as e:
             raise DataError(
-                f"{self.origin}: the chat template does not compile (line {e.lineno}: {e.message})"
+                f"{self.origin}: the chat template does not compile (line {e.lineno}: {_one_line(e.message)})"
             ) from None
+        except RecursionError:
+            raise DataError(f"{self.origin}: the chat template does not compile (nested too deeply)") from None
+        except BudgetExceeded as e:
+            raise TemplateBudgetError(f"{self.origin}: the chat template is refused: {e}") from None
 
     def render(
         self,
@@ -143,11 +151,21 @@ class ChatFormat:
             "eos_token": self.eos_token,
         }
         try:
-            return template.render(context)
+            return bounded_jinja.render(template, context)
+        except BudgetExceeded as e:
+            raise TemplateBudgetError(f"{where}: the chat template of {self.origin} exceeds its budget: {e}") from None
+        except RecursionError:
+            raise TemplateBudgetError(
+                f"{where}: the chat template of {self.origin} exceeds its budget: recursion deeper than Python allows"
+            ) from None
         except _TemplateRefusal as e:
-            raise DataError(f"{where}: the chat template of {self.origin} refuses this conversation: {e}") from None
+            raise DataError(
+                f"{where}: the chat template of {self.origin} refuses this conversation: {_one_line(str(e))}"
+            ) from None
         except Exception as e:  # noqa: BLE001 (a template bug meeting this data: TypeError, SecurityError, ...)
-            raise DataError(f"{where}: the chat template of {self.origin} fails on this conversation ({e})") from None
+            raise DataError(
+                f"{where}: the chat template of {self.origin} fails on this conversation ({_one_line(str(e))})"
+            ) from None
 
     def tokenize(self, text: str, where: str) -> tuple[list[int], list[int]]:
         """Token ids of the rendered `text` (special-token text becomes special ids; a BOS is
@@ -197,6 +215,8 @@ class ChatFormat:
         ]
         try:
             text = self.render(messages, tools=[tool], where="tool probe")
+        except TemplateBudgetError:
+            raise
         except DataError:
             return False
         return all(s in text for s in (PROBE_CATALOGUE, PROBE_ARGUMENT, PROBE_OBSERVATION))
@@ -210,10 +230,10 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRefusal(message)
 
 
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
-):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _one_line(text: str) -> str:
+    """A template's own message (it may span lines, or be long) as part of one error line."""
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED] + "..."
 
 
 def _token_text(tokenizer: Tokenizer, token: int | None) -> str:

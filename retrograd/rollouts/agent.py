@@ -9,7 +9,8 @@ trajectory ends when:
                          an error observation and the trajectory goes on)
     submitted            a tool said done (`submit`, a json exec tool)
     max_turns            the last allowed turn still called tools           (truncated)
-    max_trajectory_tokens  no room for another turn                          (truncated)
+    max_trajectory_tokens  no room for another turn, or more text than the template may
+                         render (data/bounded_jinja.py)                     (truncated)
     max_rollout_secs     the wall budget ran out (checked at every stage)   (truncated)
     max_failed_turns     that many turns in a row without a parsable call   (truncated)
     sandbox_broken       the sandbox or a tool broke; this trajectory only  (failed)
@@ -45,6 +46,7 @@ from retrograd.data import ChatFormat
 from retrograd.data import tools as hermes
 from retrograd.data.chat import tool_style
 from retrograd.data.messages import Conversation
+from retrograd.data.template import TemplateBudgetError
 from retrograd.data.tools import ERROR_PREFIX, ToolCall
 from retrograd.errors import DataError
 from retrograd.objectives.advantages import add_intermediate_returns
@@ -329,12 +331,7 @@ class AgentRollouts:
         t.turns.append(Turn(content, len(tokens), completion.finish, completion.prefilled, completion.reused, start))
         live.content = content
         live.messages.append({"role": "assistant", "content": content})
-        parsed = hermes.parse_calls(content)
-        if isinstance(parsed, str):
-            t.turns[-1].note = ERROR_PREFIX + parsed
-            parsed = []
-        first_id = sum(len(calls) for calls in live.calls)
-        live.pending = [ToolCall(f"call_{first_id + i}", name, arguments) for i, (name, arguments) in enumerate(parsed)]
+        live.pending, t.turns[-1].note = parse_turn(content, first_id=sum(len(calls) for calls in live.calls))
         live.calls.append(tuple(live.pending))
         if not live.pending and t.turns[-1].note is None:
             if self.limits.end_on_no_tool_call:
@@ -388,7 +385,11 @@ class AgentRollouts:
                                   "tool_call_id": call.id, "name": call.name})
         if turn.note is not None:
             live.messages.append({"role": "user", "content": turn.note})
-        self._extend(live)
+        try:
+            self._extend(live)
+        except TemplateBudgetError:  # the conversation outgrew what a template may render, far past any context
+            t.stop = "max_trajectory_tokens"
+            return
         if len(live.context) + 1 > self.limits.max_trajectory_tokens:
             t.stop = "max_trajectory_tokens"
 
@@ -419,6 +420,16 @@ class AgentRollouts:
             t.terminal_reward = live.sandbox.verify(spec, self.options.verify_timeout)
         except SandboxBroken:
             t.stop = "sandbox_broken"
+
+
+def parse_turn(content: str, first_id: int) -> tuple[list[ToolCall], str | None]:
+    """One assistant turn's calls (ids from call_{first_id} on) and no note; or, when a call is
+    malformed, no calls and the error observation the model reads instead. Never raises,
+    whatever the model wrote."""
+    parsed = hermes.parse_calls(content)
+    if isinstance(parsed, str):
+        return [], ERROR_PREFIX + parsed
+    return [ToolCall(f"call_{first_id + i}", name, arguments) for i, (name, arguments) in enumerate(parsed)], None
 
 
 def forget_kv_cache(sampler) -> None:

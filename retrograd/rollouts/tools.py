@@ -12,11 +12,14 @@ an error observation, not a crash. A broken tool or sandbox is reported with
 from __future__ import annotations
 
 import codecs
+import dataclasses
+import errno
 import functools
 import hashlib
 import json
 import math
 import posixpath
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,14 +27,17 @@ from pathlib import Path
 import jsonschema
 import jsonschema.exceptions
 
+from retrograd.data.tools import UnsafeJSON, load_json
 from retrograd.errors import ConfigError
-from retrograd.rollouts.sandbox.base import WRITE_ERRORS, ExecResult, Sandbox, SandboxBroken
+from retrograd.rollouts.sandbox.base import WRITE_ERRORS, ExecResult, Sandbox, SandboxBroken, trusted
 
 WHERE = "[agent.environment.tools]"
 TRUNCATED = "\n[output truncated at {limit} bytes]"
 TIMED_OUT = "error: the command did not finish within {seconds:g} s and was killed"
 MAX_SCRIPT_BYTES = 100_000
+MAX_ERROR_BYTES = 2_000  # an error observation about a call quotes at most this much of it
 PROTOCOLS = ("text", "json")
+PYTHON = re.compile(r"python[0-9.]*")  # interpreter names that get -I
 
 
 @dataclass(frozen=True)
@@ -94,25 +100,48 @@ class Toolset:
         return [tool.spec() for tool in self.tools]
 
     def call(self, sandbox: Sandbox, name: str, arguments: dict | str) -> ToolResult:
-        """Runs one tool call. `arguments` is the parsed object or its JSON text."""
+        """Runs one tool call. `arguments` is the parsed object or its JSON text. Whatever the
+        model wrote, the answer is a ToolResult: a bad call is an error observation."""
         tool = next((tool for tool in self.tools if tool.name == name), None)
         if tool is None:
-            return ToolResult(f"error: unknown tool {name!r}; available: "
-                              f"{', '.join(sorted(t.name for t in self.tools))}", is_error=True)
+            return _refused(f"unknown tool {name!r}; available: {', '.join(sorted(t.name for t in self.tools))}")
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = load_json(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
-                return ToolResult(f"error: the arguments of {name} are not valid JSON", is_error=True)
+                return _refused(f"the arguments of {name} are not valid JSON")
+            except UnsafeJSON as error:
+                return _refused(f"the arguments of {name} are refused: {error}")
         error = jsonschema.exceptions.best_match(tool.validator.iter_errors(arguments))
         if error is not None:
             at = "/".join(str(part) for part in error.absolute_path)
-            return ToolResult(f"error: invalid arguments for {name}: {error.message}" + (f" (at {at})" if at else ""),
-                              is_error=True)
+            return _refused(f"invalid arguments for {name}: {error.message}" + (f" (at {at})" if at else ""))
+        if _holds_nul(arguments):
+            return _refused(f"invalid arguments for {name}: a string holds a NUL character")
         try:
-            return tool.run(sandbox, arguments)
+            result = tool.run(sandbox, arguments)
         except SandboxBroken as broken:
             return ToolResult(f"sandbox broken: {broken}", is_error=True, broken=True)
+        except OSError as error:
+            if error.errno != errno.E2BIG:
+                raise
+            return _refused(f"the arguments of {name} are too long for a command line")
+        # An error text may quote the model's arguments (a path, say): it is cut like output.
+        return dataclasses.replace(result, content=clip(result.content, sandbox.limits.max_output_bytes))
+
+
+def _refused(reason: str) -> ToolResult:
+    return ToolResult(clip("error: " + reason, MAX_ERROR_BYTES), is_error=True)
+
+
+def _holds_nul(value) -> bool:
+    """A NUL cannot travel on a command line, where the built-ins pass their arguments.
+    (Parsed arguments are at most data.tools.MAX_JSON_DEPTH deep.)"""
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(item) for item in value.values())
+    return isinstance(value, list) and any(_holds_nul(item) for item in value)
 
 
 # --- observation text ---------------------------------------------------------------------------
@@ -152,12 +181,12 @@ def render_json(result: ExecResult, limit: int, timeout: float) -> ToolResult:
     if result.timed_out or result.exit_code != 0:
         return render_text(result, limit, timeout)
     try:
-        reply = json.loads(result.stdout.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        reply = load_json(result.stdout.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, UnsafeJSON):
         reply = None
     problem = _json_reply_problem(reply, result.truncated)
     if problem is not None:
-        return ToolResult(f"tool broke the json protocol: {problem}", is_error=True, broken=True)
+        return ToolResult(clip(f"tool broke the json protocol: {problem}", limit), is_error=True, broken=True)
     return ToolResult(clip(reply["content"], limit), is_error=reply.get("is_error", False),
                       reward=float(reply["reward"]) if "reward" in reply else None, done=reply.get("done", False))
 
@@ -179,7 +208,13 @@ def _json_reply_problem(reply, truncated: bool) -> str | None:
 
 
 def _is_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A number a float can hold: not a bool, NaN, an infinity or an integer past float's range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 RENDERERS = {"text": render_text, "json": render_json}
@@ -354,10 +389,19 @@ BUILTIN_TOOLSETS = {
 # --- user exec tools ----------------------------------------------------------------------------
 
 def run_exec_tool(spec: ExecToolSpec, sandbox: Sandbox, args: dict) -> ToolResult:
+    """Runs as a trusted program (base.TRUSTED_SCRIPT), a Python interpreter isolated (-I): what
+    the policy wrote to the workspace cannot replace the modules the tool imports."""
     stdin = json.dumps(args, sort_keys=True, separators=(",", ":")).encode()
     timeout = spec.timeout_secs or sandbox.limits.exec_timeout_secs
-    result = sandbox.exec(spec.argv, stdin=stdin, timeout=timeout)
+    result = sandbox.exec(trusted(_isolated(spec.argv)), stdin=stdin, timeout=timeout)
     return RENDERERS[spec.protocol](result, sandbox.limits.max_output_bytes, timeout)
+
+
+def _isolated(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """python3 -I: neither the cwd nor the script's folder on sys.path, no user site, no PYTHON* variables."""
+    if PYTHON.fullmatch(posixpath.basename(argv[0])):
+        return (argv[0], "-I", *argv[1:])
+    return argv
 
 
 def _exec_tool(entry, where: str, base_dir: Path) -> Tool:
