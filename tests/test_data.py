@@ -433,6 +433,9 @@ CALL = {
     "line, message",
     [
         ('{"messages": [', r"not valid JSON \(.*\); expected one object per line"),
+        ('{"messages": ' + "[" * 5000 + "]" * 5000 + "}", "JSON nested deeper than 32 levels"),
+        ('{"messages": [], "messages": []}', "the key 'messages' appears twice in one object"),
+        ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "lone UTF-16 surrogate"),
         ("[1, 2]", "expected a JSON object per line, got list"),
         ({"conversation": []}, 'missing "messages"'),
         ({"messages": []}, '"messages" must be a non-empty list'),

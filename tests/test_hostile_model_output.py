@@ -14,7 +14,8 @@ import time
 import pytest
 from test_agent import call, chat, local_pool, rollouts  # noqa: F401  (chat, local_pool: fixtures)
 
-from retrograd.data.tools import CALL_CLOSE, CALL_OPEN, ERROR_PREFIX, MAX_JSON_DEPTH, UnsafeJSON, load_json, parse_calls
+from retrograd.data.files import MAX_JSON_DEPTH, UnsafeJSON, load_json
+from retrograd.data.tools import CALL_CLOSE, CALL_OPEN, ERROR_PREFIX, parse_calls
 from retrograd.rollouts.agent import parse_turn
 from retrograd.rollouts.sandbox import EnvironmentOptions, Limits, open_environment
 from retrograd.rollouts.sandbox.base import ExecResult, Sandbox

@@ -153,12 +153,14 @@ def exec_catalog(tmp_path) -> ToolCatalog:
              "exec": {"argv": ["echo", "not json"], "protocol": "json"}},
             {"id": "extra", "description": "unknown field", "input_schema": {"type": "object"},
              "exec": {"argv": ["echo", '{"content": "x", "score": 1}'], "protocol": "json"}},
+            {"id": "greedy", "description": "claims a huge reward", "input_schema": {"type": "object"},
+             "exec": {"argv": ["echo", '{"content": "x", "reward": 1e300}'], "protocol": "json"}},
             {"id": "failing", "description": "json tool exiting 1", "input_schema": {"type": "object"},
              "exec": {"argv": ["sh", "-c", "echo bad input >&2; exit 1"], "protocol": "json"}},
             {"id": "slow", "description": "never answers", "input_schema": {"type": "object"},
              "exec": {"argv": ["sleep", "60"], "timeout_secs": 0.5, "protocol": "json"}},
         ],
-        "toolset": {"lab": {"include": ["base"], "tools": ["double", "echo_args@2", "liar", "extra", "failing", "slow"],
+        "toolset": {"lab": {"include": ["base"], "tools": ["double", "echo_args@2", "liar", "extra", "greedy", "failing", "slow"],
                             "deny": ["grep"]}},
     }
     return ToolCatalog.from_table(table, tmp_path)
@@ -181,6 +183,8 @@ def test_a_broken_json_tool_is_not_an_ordinary_error(tmp_path, sandbox):
     assert liar.broken and liar.is_error and liar.content == "tool broke the json protocol: stdout is not one JSON object"
     extra = lab.call(sandbox, "extra", {})
     assert extra.broken and extra.content == "tool broke the json protocol: unknown fields ['score']"
+    greedy = lab.call(sandbox, "greedy", {})  # would overflow the group's advantages
+    assert greedy.broken and greedy.reward is None and "'reward' must be a number within ±1e+06" in greedy.content
     assert not lab.call(sandbox, "failing", {}).broken
 
 

@@ -14,10 +14,10 @@ calls with these same functions.
 from __future__ import annotations
 
 import json
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from retrograd.data.files import UnsafeJSON, load_json
 
 CATALOGUE_HEADER = (
     "# Tools\n\nYou can call the functions whose signatures are listed inside <tools></tools>, one per line:\n<tools>\n"
@@ -31,20 +31,6 @@ CATALOGUE_FOOTER = (
 )
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 ERROR_PREFIX = "ERROR: "
-
-# Bounds on JSON a model or a tool writes (a call, its arguments, a json tool's reply).
-MAX_JSON_CHARS = 1_000_000
-MAX_JSON_DEPTH = 32
-MAX_NUMBER_CHARS = 100
-# A JSON string (closed or running to the end of the text) or a bracket: enough to measure
-# nesting before the recursive parser sees the text. Linear: no alternative backtracks.
-_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.DOTALL)
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
-
-
-class UnsafeJSON(ValueError):
-    """Syntactically JSON, but not something every reader (and our UTF-8 output) can take."""
-
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -114,69 +100,3 @@ def decode_arguments(value: Any) -> dict[str, Any] | None:
         except ValueError:
             return None
     return value if isinstance(value, dict) else None
-
-
-def load_json(text: str) -> Any:
-    """json.loads for text a model or a tool wrote. Size and nesting are checked before the
-    (recursive) parser runs; NaN and Infinity, numbers longer than MAX_NUMBER_CHARS,
-    duplicate keys and lone UTF-16 surrogates (which cannot be written as UTF-8) are
-    refused. Raises json.JSONDecodeError for broken syntax, UnsafeJSON for the rest; both
-    are ValueErrors with a one-line message."""
-    if len(text) > MAX_JSON_CHARS:
-        raise UnsafeJSON(f"JSON longer than {MAX_JSON_CHARS} characters")
-    depth = 0
-    for token in _STRING_OR_BRACKET.finditer(text):
-        bracket = text[token.start()]
-        if bracket in "[{":
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                raise UnsafeJSON(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
-        elif bracket in "]}":
-            depth -= 1
-    value = json.loads(text, parse_constant=_no_constant, parse_int=_integer, parse_float=_real,
-                       object_pairs_hook=_unique_keys)
-    _check_strings(value)
-    return value
-
-
-def _no_constant(name: str):
-    raise UnsafeJSON(f"{name} is not a JSON number")
-
-
-def _integer(digits: str) -> int:
-    return int(_short(digits))
-
-
-def _real(digits: str) -> float:
-    value = float(_short(digits))
-    if not math.isfinite(value):
-        raise UnsafeJSON(f"the number {digits} is out of range")
-    return value
-
-
-def _short(digits: str) -> str:
-    if len(digits) > MAX_NUMBER_CHARS:
-        raise UnsafeJSON(f"a number longer than {MAX_NUMBER_CHARS} characters")
-    return digits
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise UnsafeJSON(f"the key {key[:50]!r} appears twice in one object")
-        obj[key] = value
-    return obj
-
-
-def _check_strings(value: Any) -> None:
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, dict):
-            pending += item.keys()
-            pending += item.values()
-        elif isinstance(item, list):
-            pending += item
-        elif isinstance(item, str) and not item.isascii() and _SURROGATE.search(item):
-            raise UnsafeJSON("a string holds a lone UTF-16 surrogate, which is not Unicode text")

@@ -27,7 +27,7 @@ from pathlib import Path
 import jsonschema
 import jsonschema.exceptions
 
-from retrograd.data.tools import UnsafeJSON, load_json
+from retrograd.data.files import UnsafeJSON, load_json
 from retrograd.errors import ConfigError
 from retrograd.rollouts.sandbox.base import WRITE_ERRORS, ExecResult, Sandbox, SandboxBroken, trusted
 
@@ -36,6 +36,7 @@ TRUNCATED = "\n[output truncated at {limit} bytes]"
 TIMED_OUT = "error: the command did not finish within {seconds:g} s and was killed"
 MAX_SCRIPT_BYTES = 100_000
 MAX_ERROR_BYTES = 2_000  # an error observation about a call quotes at most this much of it
+MAX_TOOL_REWARD = 1e6  # a json tool's reward; beyond it a reply is a protocol break
 PROTOCOLS = ("text", "json")
 PYTHON = re.compile(r"python[0-9.]*")  # interpreter names that get -I
 
@@ -202,9 +203,15 @@ def _json_reply_problem(reply, truncated: bool) -> str | None:
         (isinstance(reply.get("content"), str), "'content' must be a string"),
         (isinstance(reply.get("is_error", False), bool), "'is_error' must be true or false"),
         (isinstance(reply.get("done", False), bool), "'done' must be true or false"),
-        ("reward" not in reply or _is_finite(reply["reward"]), "'reward' must be a finite number"),
+        ("reward" not in reply or _is_reward(reply["reward"]),
+         f"'reward' must be a number within ±{MAX_TOOL_REWARD:g}"),
     ]
     return next((problem for ok, problem in checks if not ok), None)
+
+
+def _is_reward(value) -> bool:
+    """Within ±MAX_TOOL_REWARD: a larger one would swamp or overflow the group's advantages."""
+    return _is_finite(value) and abs(value) <= MAX_TOOL_REWARD
 
 
 def _is_finite(value) -> bool:
