@@ -1,5 +1,6 @@
-"""Names the process that owns sandbox resources, so that a later run can tell
-which leftovers belong to a process that died without cleaning up (SIGKILL)."""
+"""Names the process that owns leftovers (sandboxes, cgroup leaves, checkpoint temp
+folders), so that a later run can tell those of a process that died without cleaning
+up (SIGKILL) from those of one still running."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ import torch
 from test_cli_resume import one_line_error, train, write_run
 
 from retrograd.config import load_config
+from retrograd.owner import process_tag
 from retrograd.recipes import sft
-from retrograd.rollouts.sandbox.owner import process_tag
 from retrograd.training.checkpoint import (
     FILES,
     CheckpointError,

@@ -18,12 +18,19 @@ from pathlib import Path
 import psutil
 import pyseccomp
 import pytest
+from sandboxes import unavailable
 
 from retrograd.errors import ConfigError
-from retrograd.rollouts.sandbox import EnvironmentOptions, Limits, PoolOptions, SandboxError, open_environment
-from retrograd.rollouts.sandbox import cgroups, cleanup
-from retrograd.rollouts.sandbox.owner import process_tag
-from sandboxes import unavailable
+from retrograd.owner import process_tag
+from retrograd.rollouts.sandbox import (
+    EnvironmentOptions,
+    Limits,
+    PoolOptions,
+    SandboxError,
+    cgroups,
+    cleanup,
+    open_environment,
+)
 
 MIB = 1 << 20
 LIMITS = Limits(memory_mb=512, pids=64, exec_timeout_secs=20)  # /work 256 MiB, /tmp 128 MiB, /dev/shm 64 MiB

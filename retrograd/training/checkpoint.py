@@ -46,7 +46,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file as save_tensors
 
 from retrograd.errors import RetrogradError
-from retrograd.rollouts.sandbox.owner import is_dead, process_tag
+from retrograd.owner import is_dead, process_tag
 
 FORMAT_VERSION = 2  # 1 held pickles (lora.pt, optimizer.pt, rng.pt)
 STATE_SUFFIX = ".state"

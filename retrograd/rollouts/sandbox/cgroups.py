@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from retrograd.rollouts.sandbox import owner
+from retrograd import owner
 
 PREFIX = "retrograd-"
 V1_CONTROLLERS = ("memory", "pids")

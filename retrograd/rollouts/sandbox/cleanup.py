@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from retrograd.rollouts.sandbox import owner
+from retrograd import owner
 from retrograd.rollouts.sandbox.base import SandboxError
 
 PRIVATE_MODE = 0o700  # of the per-user parent and of every folder made in it (tempfile.mkdtemp's mode)

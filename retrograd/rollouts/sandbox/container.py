@@ -36,7 +36,7 @@ import docker
 import docker.errors
 import docker.types
 
-from retrograd.rollouts.sandbox import owner
+from retrograd import owner
 from retrograd.rollouts.sandbox.base import (
     KILL_GRACE_SECS,
     WIPE_SCRIPT,
