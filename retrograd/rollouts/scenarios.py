@@ -1,8 +1,9 @@
 """Agentic GRPO scenarios: one JSON object per line, strict, checked once at start-up.
 
     {"id": "fix-1", "system": "Use tools when useful.", "user": "Fix add.py.",
-     "metadata": {"env": {"files": {"add.py": "..."}, "setup": ["..."],
-                          "verify": {"command": "python3 add_test.py", "reward_on_success": 1.0},
+     "metadata": {"env": {"files": {"add.py": "...", "add_test.py": "..."}, "setup": ["..."],
+                          "verify": {"command": "python3 add_test.py", "reward_on_success": 1.0,
+                                     "check_files": ["add_test.py"]},
                           "toolset": "python"},
                   "rubric": "criteria for the judge"}}
 
@@ -11,6 +12,13 @@ sandbox task (retrograd.rollouts.sandbox.ScenarioEnv); its toolset must be the c
 default or one of its `scenario_toolsets`. A scenario is scored by its `verify` command
 when it has one, else by the judge, so a scenario with neither is refused. Every problem
 names `file:line`.
+
+`verify.check_files` names the files of `files` that the command relies on (its tests):
+they are written afresh just before it runs, so a policy that edits them gains nothing.
+The command runs as a trusted program (Sandbox.verify): Python started by it finds the
+workspace's modules after its own, never instead of them. The code under test still runs
+inside the command and could end it with success (os._exit(0) on import): a check that
+must hold against that runs the solution in a child process and judges its output.
 
 The system message gets `system_suffix` appended (one is created when the scenario has no
 system text and the suffix is not empty), as retrograd does.
