@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import sandboxes
+import torch
+from gguf_factory import write_f32_copy, write_tiny_model
 
 import retrograd  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads its OpenMP runtime)
-import torch
-
-import sandboxes
-from gguf_factory import write_f32_copy, write_tiny_model
 from retrograd.bundled import default_model_path, gemma3_path
 
 torch.set_num_threads(2)

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
-
 from retrograd.kernels.chunked_logprobs import (
     VOCAB_TILE,
     dense_gather_logprobs,

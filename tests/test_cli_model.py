@@ -1,7 +1,6 @@
 """`retrograd inspect` / `preflight` through the real command: reports, and one-line
 errors with exit code 2 for every kind of bad model file."""
 
-import shutil
 import subprocess
 import sys
 

@@ -123,9 +123,10 @@ class Lines:
 
 @pytest.mark.parametrize("verbose", [True, False])
 def test_run_verbose_prints_micro_batch_and_phase_lines(tmp_path, tiny_model, verbose):
+    from test_grpo import write_config
+
     from retrograd.config import load_config
     from retrograd.recipes import grpo
-    from test_grpo import write_config
 
     cfg = write_config(tmp_path, tiny_model("llama"), reward_name="length")
     text = cfg.read_text().replace("micro_batch = 256", "micro_batch = 40")

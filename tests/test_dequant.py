@@ -4,8 +4,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
-
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 from retrograd.kernels.dequant import CODECS, dequantize
 from retrograd.kernels.frozen import FrozenWeight, frozen_linear
 

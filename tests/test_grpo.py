@@ -212,7 +212,6 @@ def test_bad_input_is_one_line(tmp_path, case, needle):
         (tmp_path / "crash.py").write_text("import sys\nsys.stdin.readline()\nsys.exit(3)\n")
         text = text.replace(f'reward_function = "{tmp_path / "rewards.py"}:brevity"', f'reward_command = ["{sys.executable}", "{tmp_path / "crash.py"}"]')
     cfg.write_text(text)
-    t0 = time.time()
     r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
     one_line_error(r, needle)
     assert not (tmp_path / "out/adapter.gguf").exists()

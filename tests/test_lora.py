@@ -70,8 +70,8 @@ def test_a_small_delta_survives_bf16_compute():
     """In bf16 compute the adapter's output is added in float32: a delta of 1e-4 relative to
     the frozen output, far below bf16's resolution, still reaches the result."""
     from gguf import GGMLQuantizationType as QT
-
     from retrograd.kernels.frozen import FrozenWeight
+
     from retrograd.lora import LoRALinear
     from retrograd.model.transformer import FrozenLinear
 

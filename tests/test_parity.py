@@ -1,10 +1,10 @@
 """Our torch forward against llama.cpp on the same token ids (issue: foundation, item 8)."""
 
 import pytest
-
-import retrograd
 from gguf_factory import TINY_ARCHS
 from llama_ref import agreement, llama_logits, top1_disagreements
+
+import retrograd
 
 N_TOKENS = 280
 

@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-
-from retrograd.config import load_config
 from retrograd.kernels.chunked_logprobs import dense_gather_logprobs, gather_logprobs
 from retrograd.kernels.frozen import FrozenWeight
+from test_grpo import write_config
+
+from retrograd.config import load_config
 from retrograd.model.base import load_model
 from retrograd.recipes import grpo
 from retrograd.training.optim import Schedule, learning_rate
 from retrograd.training.report import SilentReporter
-from test_grpo import write_config
-
 
 # ----------------------------------------------------------------------------- the kernel
 
@@ -132,8 +131,9 @@ def test_agent_rollouts_record_each_turn_with_its_ids_and_logprobs(tmp_path, tin
     """Agentic GRPO at T = 0.7 (judge only, no tools run): each assistant turn's record has
     the context before it, its own sampled ids, and the sampler's and torch's log-probs of
     them, which agree (F32 model and KV cache)."""
-    from retrograd.recipes import agent_grpo
     from test_agent_grpo import JUDGED, write_run
+
+    from retrograd.recipes import agent_grpo
 
     cfg = write_run(tmp_path, model=tiny_model("llama"), updates=1, scenarios_per_update=1, scenarios=(JUDGED,),
                     environment="", agent="temperature = 0.7")

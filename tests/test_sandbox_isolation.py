@@ -24,6 +24,7 @@ import docker
 import docker.errors
 import psutil
 import pytest
+from sandboxes import unavailable
 
 from retrograd.rollouts.sandbox import (
     DEFAULT_IMAGE,
@@ -35,7 +36,6 @@ from retrograd.rollouts.sandbox import (
 )
 from retrograd.rollouts.sandbox.container import LABEL_INSTANCE, LABEL_RUN, DockerBackend
 from retrograd.rollouts.tools import TIMED_OUT, ToolCatalog
-from sandboxes import unavailable
 
 LIMITS = Limits(cpus=1.0, memory_mb=256, pids=64, exec_timeout_secs=2, max_output_bytes=4096)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

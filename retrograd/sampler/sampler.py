@@ -77,7 +77,6 @@ from retrograd.sampler.engine import KV_MODES, MAX_SEQUENCES, Engine, Feed
 from retrograd.sampler.live_adapter import LiveAdapter, RefreshTiming
 from retrograd.sampler.sampling import Sampling, sample_token
 
-
 PREFILL_CHUNK = 64  # prefill pieces end at multiples of this position (see the module doc)
 PAD_TOKEN = 0  # what a stream with nothing to decode is fed in a step (its row is discarded)
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retrograd.errors import TrainingDiverged
 from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, merge_diagnostics, policy_loss
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.duty_cycle import DutyCycle

@@ -52,8 +52,8 @@ from retrograd.teacher import (
 from retrograd.training.batches import LogprobOptions, pack
 from retrograd.training.checkpoint import check_signature, file_fingerprint
 from retrograd.training.metrics import MetricsSink
-from retrograd.training.report import Reporter
 from retrograd.training.optim import Schedule, build_optimizer
+from retrograd.training.report import Reporter
 from retrograd.training.scoring import Rollout
 from retrograd.training.state import RecipeLoop, restore_state, track_evaluation
 
