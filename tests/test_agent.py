@@ -15,6 +15,7 @@ from retrograd.config import load_config
 from retrograd.data import ChatFormat
 from retrograd.data.chat import encode_conversation
 from retrograd.data.messages import parse_conversation
+from retrograd.errors import DataError
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import read_spec
 from retrograd.model.tokenizer import Tokenizer
@@ -152,6 +153,24 @@ def test_a_template_with_native_tools_renders_the_catalogue_and_observations_its
     assert text.startswith("<|im_start|>system\n# Tools\n{\"type\": \"function\"") and "<tools>" not in text
     assert "<|im_start|>tool\nthe answer is 42\n<|im_end|>\n<|im_start|>assistant\nIt says 42.<|im_end|>" in text
     assert [t.tokens[a:b] for a, b in sampled_runs(t.mask)] == policy.turns
+
+
+def test_a_template_that_rewrites_one_turn_ends_that_trajectory_and_one_that_rewrites_every_turn_is_refused(
+        tmp_path, chat, local_pool):
+    """Model output must not stop the run: a template that trims a turn's whitespace ends
+    only the trajectories whose text it changed; a template that changes every earlier turn
+    cannot grow any conversation token by token and is refused."""
+    trimming = ChatFormat(chat.tokenizer, NATIVE_TEMPLATE.replace("{{ m.content }}", "{{ m.content | trim }}"),
+                          origin="trimming")
+    tidy, sloppy = [call("read_file", path="notes.txt"), "42"], [call("read_file", path="notes.txt") + "  ", "42"]
+    (kept, cut), _ = rollouts(tmp_path, trimming, local_pool, [tidy, sloppy])
+    assert (kept.stop, len(kept.turns)) == ("no_tool_call", 2)
+    assert (cut.stop, len(cut.turns), cut.truncated) == ("template_rewrote_turn", 1, True)
+    rewriting = ChatFormat(chat.tokenizer, NATIVE_TEMPLATE.replace(
+        "{{ m.content }}", "{{ m.content if loop.last or m.role != 'assistant' else '(earlier turn)' }}"),
+        origin="rewriting")
+    with pytest.raises(DataError, match="rewriting does not render the earlier turns as an exact prefix"):
+        rollouts(tmp_path, rewriting, local_pool, [tidy])
 
 
 def test_turn_endings_and_truncations(tmp_path, chat, local_pool):

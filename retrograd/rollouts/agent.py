@@ -13,6 +13,8 @@ trajectory ends when:
                          render (data/bounded_jinja.py)                     (truncated)
     max_rollout_secs     the wall budget ran out (checked at every stage)   (truncated)
     max_failed_turns     that many turns in a row without a parsable call   (truncated)
+    template_rewrote_turn  the template rendered this turn's text differently (e.g. trimmed
+                         its whitespace), so the tokens cannot grow on     (truncated)
     sandbox_broken       the sandbox or a tool broke; this trajectory only  (failed)
 
 Rendering: the conversation goes through the model's chat template with
@@ -23,7 +25,8 @@ token sequence grows incrementally: the policy's own sampled tokens are kept as 
 (never re-rendered or re-tokenized), and after each turn only the text the template adds
 after them (its end-of-turn, the observations, the next assistant header) is tokenized
 and appended. Before that, the new render must start with the previous render plus the
-turn's exact text; a template that rewrites earlier turns is refused with an error. So
+turn's exact text; a template that rewrites every earlier turn is refused with an error,
+one that rewrites only this turn's text ends that trajectory. So
 the sampler's KV cache is extended between turns, never re-prefilled, and `mask` marks
 exactly the sampled tokens.
 
@@ -56,12 +59,13 @@ from retrograd.rollouts.tools import ToolResult
 from retrograd.sampler import Sampling
 
 ENDED = ("no_tool_call", "submitted")
-TRUNCATED = ("max_turns", "max_trajectory_tokens", "max_rollout_secs", "max_failed_turns")
+TRUNCATED = ("max_turns", "max_trajectory_tokens", "max_rollout_secs", "max_failed_turns", "template_rewrote_turn")
 FAILED = ("sandbox_broken",)
 STOPS = ENDED + TRUNCATED + FAILED
 NO_CALL = ("no tool call found; call a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
            "or call submit when you are done")
 NO_TOOLS = "error: this run has no tools"
+PLAIN_TURN = "ok"  # a turn every template should keep verbatim
 
 
 @dataclass(frozen=True)
@@ -390,7 +394,7 @@ class AgentRollouts:
         except TemplateBudgetError:  # the conversation outgrew what a template may render, far past any context
             t.stop = "max_trajectory_tokens"
             return
-        if len(live.context) + 1 > self.limits.max_trajectory_tokens:
+        if t.stop is None and len(live.context) + 1 > self.limits.max_trajectory_tokens:
             t.stop = "max_trajectory_tokens"
 
     def _extend(self, live: _Live) -> None:
@@ -398,11 +402,14 @@ class AgentRollouts:
         before, content = live.rendered, live.content
         after = render(self.chat, t.scenario, live.messages, live.calls)
         if not after.startswith(before + content):
-            raise DataError(
-                f"{t.scenario.source}: the chat template of {self.chat.origin} does not render the earlier turns as an "
-                f"exact prefix after assistant turn {len(t.turns)}, so the conversation cannot grow token by token; "
-                "agentic rollouts need a template that keeps earlier turns verbatim"
-            )
+            if not self._keeps_plain_turns(live):
+                raise DataError(
+                    f"{t.scenario.source}: the chat template of {self.chat.origin} does not render the earlier turns as "
+                    f"an exact prefix after assistant turn {len(t.turns)}, so the conversation cannot grow token by "
+                    "token; agentic rollouts need a template that keeps earlier turns verbatim"
+                )
+            t.stop = "template_rewrote_turn"  # this turn's text only (e.g. whitespace the template trims)
+            return
         added = after[len(before) + len(content):]
         if t.turns[-1].finish == "eos":  # the policy already wrote the end of its turn when the template uses that token
             added = added.removeprefix(self.chat.piece(t.tokens[-1]).decode("utf-8", errors="replace"))
@@ -410,6 +417,15 @@ class AgentRollouts:
         t.tokens += ids
         t.mask += [False] * len(ids)
         live.rendered = after
+
+    def _keeps_plain_turns(self, live: _Live) -> bool:
+        """Whether the template keeps a plain assistant turn verbatim where this one sat: if
+        not, the template itself is unusable; if so, only this turn's text was rewritten."""
+        messages = [*live.messages]
+        last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
+        messages[last] = {"role": "assistant", "content": PLAIN_TURN}
+        probe = render(self.chat, live.trajectory.scenario, messages, live.calls)
+        return probe.startswith(live.rendered + PLAIN_TURN)
 
     def _verify(self, live: _Live) -> None:
         t = live.trajectory
