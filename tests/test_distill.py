@@ -147,14 +147,42 @@ def _make_student():
     return module
 
 
+ANSWER_TOKENS = 12  # as many as the on-policy run samples
+
+
+def greedy_answer(model, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    ids = list(prompt)
+    for _ in range(ANSWER_TOKENS):
+        ids.append(int(model.logits(ids)[-1].argmax()))
+    return tuple(ids[len(prompt) :])
+
+
+def answer_logp(model, prompt: tuple[int, ...], answer: tuple[int, ...]) -> torch.Tensor:
+    """[n, V] float64 log-softmax of the model's next-token distribution at each answer position."""
+    return model.logits([*prompt, *answer])[len(prompt) - 1 : -1].double().log_softmax(-1)
+
+
+def reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """[n] sum_v p_S(v) (log p_S(v) - log p_T(v)) per position, over the full vocabulary."""
+    return (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
+
+
 def test_on_policy_distillation_lowers_the_held_out_reverse_kl(tmp_path, smollm2):
     """The reverse KL that on-policy distillation minimises, KL(student || teacher) over the
     full vocabulary, falls on held-out prompts. Teacher: SmolLM2 cut to 9 blocks; student: the
-    same without block 5, so a LoRA on the other 8 can make up for it. Measured exactly (float64
-    softmaxes, no sampling) along each model's greedy answer to 8 prompts of smoke_rl_eval.jsonl,
-    never seen in training: 1.874 -> 1.532 nats/token here (x0.82; x0.93 with another sampling
-    seed, x0.77-0.92 at lr 1e-3). The forward KL on the teacher's answers (retrograd bench) need
-    not fall: the reverse KL is mode-seeking (it rose 1.29 -> 1.36 at lr 1e-3)."""
+    same without block 5, so a LoRA on the other 8 can make up for it.
+
+    Measured exactly (float64 softmaxes, no sampling) at one fixed set of positions for both
+    the base and the trained student: the union of the teacher's, the base student's and the
+    trained student's greedy answers to 8 prompts of smoke_rl_eval.jsonl, never seen in
+    training. Along each model's own greedy answer alone, before and after sit on different
+    sequences. The training data are llama.cpp samples, which differ per CPU, so each machine
+    sees a different run: on an AMD EPYC (Zen 4), 7 sampling seeds ([distill.sampling] seed
+    0-6) gave x0.67-0.78 (1.881 -> 1.410 nats/token for seed 0); at lr 3e-3 two of six seeds
+    made it rise (x1.21, x1.04) and at lr 1e-2 it diverges, so lr 1e-3 keeps clear of that
+    edge. A flipped loss sign drives the sampled KL from 1.98 to 4.98 in the 8 updates; an
+    untrained adapter gives x1.00. The forward KL on the teacher's answers (retrograd bench)
+    need not fall: the reverse KL is mode-seeking."""
     make = _make_student()
     teacher = make.write_truncated(smollm2, tmp_path / "teacher.gguf", make.parse_layers("0-5,27-29"))
     student = make.write_truncated(smollm2, tmp_path / "student.gguf", make.parse_layers("0-4,27-29"))
@@ -173,7 +201,7 @@ alpha = 16.0
 [training]
 ctx = 96
 micro_batch = 512
-lr = 3e-3
+lr = 1e-3
 compute_dtype = "f32"
 threads = 2
 [distill]
@@ -183,7 +211,7 @@ updates = 8
 prompts_per_update = 4
 samples_per_prompt = 4
 [distill.sampling]
-max_new_tokens = 12
+max_new_tokens = {ANSWER_TOKENS}
 """)
     config = load_config(cfg)
     result = distill.run(config, SilentReporter())
@@ -194,27 +222,22 @@ max_new_tokens = 12
     loaded = read_adapter(result.output)
     adapter = attach_lora(student_model.transformer, list(loaded.tensors), loaded.rank, loaded.alpha, seed=0)
     load_adapter_weights(adapter, result.output)
-    prompts = load_prompts(EXAMPLES / "data/smoke_rl_eval.jsonl", open_chat(config))[:8]
-
-    def held_out_reverse_kl() -> float:
-        """Mean over answer positions of sum_v p_S(v) (log p_S(v) - log p_T(v))."""
-        per_token = []
-        for prompt in prompts:
-            ids = list(prompt.ids)
-            for _ in range(12):  # the student's greedy answer
-                ids.append(int(student_model.logits(ids)[-1].argmax()))
-            n = len(prompt.ids)
-            student_logp = student_model.logits(ids)[n - 1 : -1].double().log_softmax(-1)  # [12, V]
-            teacher_logp = teacher_model.logits(ids)[n - 1 : -1].double().log_softmax(-1)  # [12, V]
-            per_token.append((student_logp.exp() * (student_logp - teacher_logp)).sum(-1))
-        return torch.cat(per_token).mean().item()
+    prompts = [p.ids for p in load_prompts(EXAMPLES / "data/smoke_rl_eval.jsonl", open_chat(config))[:8]]
 
     with torch.no_grad():
-        after = held_out_reverse_kl()
+        answers = [greedy_answer(teacher_model, p) for p in prompts] + [greedy_answer(student_model, p) for p in prompts]
         with adapter.disabled():
-            before = held_out_reverse_kl()
-    print(f"held-out KL(student || teacher): {before:.4f} -> {after:.4f} nats/token")
-    assert after < 0.95 * before, (before, after)
+            answers += [greedy_answer(student_model, p) for p in prompts]
+        positions = dict.fromkeys(zip(prompts * 3, answers))  # the union: a shared answer counts once
+        before, after = [], []  # [n] per answer
+        for prompt, answer in positions:
+            teacher_logp = answer_logp(teacher_model, prompt, answer)
+            after.append(reverse_kl(answer_logp(student_model, prompt, answer), teacher_logp))
+            with adapter.disabled():
+                before.append(reverse_kl(answer_logp(student_model, prompt, answer), teacher_logp))
+    before, after = torch.cat(before).mean().item(), torch.cat(after).mean().item()
+    print(f"held-out KL(student || teacher) over {len(positions)} answers: {before:.4f} -> {after:.4f} nats/token")
+    assert after < 0.9 * before, (before, after)
 
 
 @pytest.mark.slow
