@@ -2,6 +2,7 @@
 
     python benchmarks/grpo_vs_trl.py                        # every side (~4 min on 2 cores)
     python benchmarks/grpo_vs_trl.py --sides ours-auto,decode   # a subset; TRL is needed only for trl*
+    python benchmarks/grpo_vs_trl.py --write-config DIR [--duty-cycle 0.5]   # only write our TOML (benchmarks/gpu_check.sh)
 
 Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1; 16 prompts, row i user
 "Calculate A + B. Reply with exactly one number." with A, B drawn by random.Random(0); update k
@@ -13,15 +14,20 @@ clip 1.0, clip range 0.2/0.28, beta 0, Dr. GRPO normalization, unscaled advantag
 TRL: transformers dequantizes the GGUF to float32, PEFT LoRA, GRPOTrainer with num_generations 8,
 generation batch 16, max_completion_length 16, fp32, no vLLM, sampling by transformers'
 generate; side "trl" keeps GRPOConfig's default gradient checkpointing, "trl-nogc" turns it off.
-Ours: a [run] algorithm = "grpo" TOML through retrograd.recipes.grpo.run, compute dtype "auto"
-(bf16 on a CPU with native bf16) and "f32"; rollouts from llama.cpp with the live adapter.
+Ours: what a user runs, `retrograd train` in its own process on a [run] algorithm = "grpo" TOML
+this script writes, compute dtype "auto" (bf16 on a CPU with native bf16) and "f32"; rollouts
+from llama.cpp with the live adapter; its numbers come from the run's own metrics.jsonl.
 Side "decode": our sampler alone on the first two prompts (16 sequences), generation tok/s
 with a trained-looking rank-8 adapter vs none, and the adapter refresh time.
 
 Each side runs in a fresh subprocess, so its peak RSS (ru_maxrss: model load included) is its own.
 Definitions:
   update s      wall time of one whole update: sampling, rewards, scoring, the optimizer step and
-                (ours) the adapter refresh; TRL: from one optimizer step's end to the next.
+                (ours) the adapter refresh; ours: metrics.jsonl's timing/update_seconds (the
+                denominator of the progress table's tok/s), TRL: from one optimizer step's end to
+                the next. "wall" adds what runs between updates (ours: metrics, rollouts.jsonl,
+                the progress table), from the run's time stamps; update 1 counts from its start.
+  start-up s    from launching the process to the start of update 1 (imports, model load, sampler).
   phases        TRL: generate (transformers' generate), reward, forward (compute_loss), backward
                 (accelerator.backward), optimizer (clip + step); ours: the recipe's own timers.
 """
@@ -49,7 +55,7 @@ SIDES = ("trl", "trl-nogc", "ours-auto", "ours-f32", "decode")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QUESTION = re.compile(r"Calculate (\d+) \+ (\d+)\.")
 INTEGER = re.compile(r"-?\d+")
-GOALS = {"speedup": 5.0, "rss_fraction": 0.3, "decode_fraction": 0.85, "refresh_ms": 50.0}
+GOALS = {"speedup": 6.0, "rss_fraction": 0.3, "decode_fraction": 0.85, "refresh_ms": 50.0}
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,14 @@ def trl_reward(prompts, completions, **_) -> list[float]:
     return reward([p[-1]["content"] for p in prompts], [c[0]["content"] for c in completions])
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def peak_rss_bytes(who=resource.RUSAGE_SELF) -> int:
+    return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB
 
 
 # ----------------------------------------------------------------------------- ours
 
 
-def write_config(folder: Path, compute_dtype: str) -> Path:
+def write_config(folder: Path, compute_dtype: str, duty_cycle: float = 1.0) -> Path:
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in WORK.questions()))
     config = folder / "grpo.toml"
@@ -125,6 +131,7 @@ lr = {WORK.lr}
 max_grad_norm = {WORK.max_grad_norm}
 threads = {WORK.threads}
 compute_dtype = "{compute_dtype}"
+max_gpu_duty_cycle = {duty_cycle}
 
 [grpo]
 prompts = "{prompts}"
@@ -146,44 +153,44 @@ top_p = 1.0
     return config
 
 
-def run_ours(dtype: str) -> dict:
-    """The recipe as `retrograd train` runs it, on the workload's TOML."""
-    import torch
-
+def run_ours(dtype: str, duty_cycle: float = 1.0) -> dict:
+    """`retrograd train` on the workload's TOML, in a process of its own; its metrics.jsonl."""
     from retrograd.config import load_config
     from retrograd.data import load_prompts
-    from retrograd.device import resolve_device
-    from retrograd.recipes import grpo
-    from retrograd.recipes.common import compute_dtype, open_chat
-    from retrograd.training.report import SilentReporter
+    from retrograd.recipes.common import open_chat
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(write_config(Path(tmp), dtype))
-        result = grpo.run(cfg, SilentReporter())
-        prompts = load_prompts(cfg.grpo.prompts, open_chat(cfg))
-    updates = []
-    for r in result.records:
-        m, t = r.metrics, r.timing
+        config = write_config(Path(tmp), dtype, duty_cycle)
+        launched = time.time()
+        res = subprocess.run([sys.executable, "-m", "retrograd", "train", str(config)], check=False, capture_output=True, text=True)
+        if res.returncode:
+            sys.exit(f"retrograd train failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+        records = [json.loads(line) for line in (Path(tmp) / "out" / "metrics.jsonl").read_text().splitlines()]
+        prompts = load_prompts(config.parent / "prompts.jsonl", open_chat(load_config(config)))
+    updates, previous_end = [], None
+    for m in records:
+        seconds = m["timing/update_seconds"]
         updates.append({
-            "seconds": m["timing/update_seconds"],
+            "seconds": seconds,
+            "wall": seconds if previous_end is None else m["time"] - previous_end,
             "phases": {
-                "generation": t["generation"], "reward": t["reward"],
-                "no-grad scoring": t["behavior_scoring"] + t["reference"],
-                "train total": t["optimizer"], "adapter refresh": t["adapter_refresh"],
+                "generation": m["timing/generation_seconds"], "reward": m["timing/reward_seconds"],
+                "no-grad scoring": m["timing/behavior_scoring_seconds"] + m["timing/reference_seconds"],
+                "train total": m["timing/optimizer_seconds"], "adapter refresh": m["timing/adapter_refresh_seconds"],
             },
             "tokens": m["completions/length_mean"] * WORK.prompts_per_update * WORK.group_size,
             "reward": m["reward/mean"],
             "refresh_s": m.get("sampler/adapter_refresh_seconds"),
         })
+        previous_end = m["time"]
+    loaded = next(line.strip() for line in res.stdout.splitlines() if line.startswith("model loaded"))
     return {
-        "dtype": compute_dtype(cfg.training.compute_dtype, resolve_device(cfg.model.device)),
-        "torch_threads": torch.get_num_threads(),
+        "loaded": loaded,  # "model loaded in … s: FILE (arch, weights, DTYPE compute)"
         "prompt_ids": [list(p.ids) for p in prompts],
         "updates": updates,
-        "init": {k: v[0] for k, v in result.init_timing.items()},
-        "rss_loaded": result.memory["after_load"],
-        "rss_training_peak": result.memory["peak"],
-        "rss_peak": peak_rss_bytes(),
+        "startup_s": records[0]["time"] - records[0]["timing/update_seconds"] - launched,
+        "rss_step_max": max(m["system/rss_bytes"] for m in records),
+        "rss_peak": peak_rss_bytes(resource.RUSAGE_CHILDREN),
     }
 
 
@@ -244,7 +251,7 @@ def run_trl(gradient_checkpointing: bool) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from retrograd.bundled import default_model_path
-    from retrograd.memory import PeakMemory, rss_bytes
+    from retrograd.memory import rss_bytes
 
     spent: dict[str, float] = {}
 
@@ -259,10 +266,10 @@ def run_trl(gradient_checkpointing: bool) -> dict:
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.marks, self.phases, self.logs = [], [], []
+            self.marks, self.phases, self.logs, self.rss = [], [], [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
+            self.marks.append(time.time())
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             self.optimizer_t0 = time.perf_counter()
@@ -271,7 +278,8 @@ def run_trl(gradient_checkpointing: bool) -> dict:
             spent["optimizer"] = spent.get("optimizer", 0.0) + time.perf_counter() - self.optimizer_t0
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
+            self.marks.append(time.time())
+            self.rss.append(rss_bytes())
             self.phases.append(dict(spent))
             spent.clear()
 
@@ -313,9 +321,7 @@ def run_trl(gradient_checkpointing: bool) -> dict:
         trainer._generate_and_score_completions = timed("rollout", trainer._generate_and_score_completions)
         trainer.compute_loss = timed("train forward", trainer.compute_loss)
         trainer.accelerator.backward = timed("train backward", trainer.accelerator.backward)
-        rss_loaded = rss_bytes()
-        with PeakMemory() as peak:
-            trainer.train()
+        trainer.train()
     marks = clock.marks
     assert len(marks) == WORK.updates + 1 and len(clock.logs) == WORK.updates, "one optimizer step and one log per update"
     updates = []
@@ -323,6 +329,7 @@ def run_trl(gradient_checkpointing: bool) -> dict:
         train = phases["train forward"] + phases["train backward"] + phases["optimizer"]
         updates.append({
             "seconds": marks[k + 1] - marks[k],
+            "wall": marks[k + 1] - marks[k],
             "phases": {
                 "generation": phases["generation"], "reward": phases["reward"],
                 "rollout other": phases["rollout"] - phases["generation"] - phases["reward"],
@@ -337,32 +344,39 @@ def run_trl(gradient_checkpointing: bool) -> dict:
         "torch_threads": torch.get_num_threads(),
         "prompt_ids": prompt_ids[:: WORK.group_size],  # one row per group, in sampling order
         "updates": updates,
-        "rss_loaded": rss_loaded,
-        "rss_training_peak": peak.peak_rss,
+        "started": marks[0],
+        "rss_step_max": max(clock.rss),
         "rss_peak": peak_rss_bytes(),
         "versions": {p: importlib.import_module(p).__version__ for p in TRL_PACKAGES},
     }
 
 
-CHILDREN = {
-    "trl": lambda: run_trl(gradient_checkpointing=True),
-    "trl-nogc": lambda: run_trl(gradient_checkpointing=False),
-    "ours-auto": lambda: run_ours("auto"),
-    "ours-f32": lambda: run_ours("f32"),
-    "decode": run_decode,
+CHILDREN = {  # side -> run(duty_cycle), which only our runs use
+    "trl": lambda _: run_trl(gradient_checkpointing=True),
+    "trl-nogc": lambda _: run_trl(gradient_checkpointing=False),
+    "ours-auto": lambda duty: run_ours("auto", duty),
+    "ours-f32": lambda duty: run_ours("f32", duty),
+    "decode": lambda _: run_decode(),
 }
 
 
-def spawn(side: str) -> dict:
-    env = os.environ | {"OMP_NUM_THREADS": str(WORK.threads), "MKL_NUM_THREADS": str(WORK.threads), "TOKENIZERS_PARALLELISM": "false"}
+def spawn(side: str, duty_cycle: float) -> dict:
+    """One side in a fresh interpreter. TRL and the decode side get OMP/MKL thread counts from
+    the environment (no knob of their own); ours only what its TOML says, as a user's run would."""
+    env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+    if not side.startswith("ours"):
+        env |= {"OMP_NUM_THREADS": str(WORK.threads), "MKL_NUM_THREADS": str(WORK.threads)}
     load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, __file__, "--_child", side], check=False, capture_output=True, text=True, env=env)
+    launched = time.time()
+    command = [sys.executable, __file__, "--_child", side, "--duty-cycle", str(duty_cycle)]
+    res = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
     if res.returncode:
         sys.exit(f"grpo_vs_trl: the {side} run failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
     out = json.loads(res.stdout.strip().splitlines()[-1])
     out["load"] = (load_before, os.getloadavg()[0])
-    out["wall"] = time.perf_counter() - t0
+    out["wall"] = time.time() - launched
+    if "started" in out:  # TRL: its start-up counts from here
+        out["startup_s"] = out["started"] - launched
     return out
 
 
@@ -380,14 +394,15 @@ def summarize(r: dict) -> dict:
     phases["other"] = statistics.mean(seconds) - parts
     return {
         "median_s": statistics.median(seconds),
+        "median_wall_s": statistics.median(u["wall"] for u in updates),
         "seconds": seconds,
         "phases": phases,
         "tokens": statistics.mean(u["tokens"] for u in updates),
         "gen_tok_s": [u["tokens"] / u["phases"]["generation"] for u in updates],
         "reward": [u["reward"] for u in updates],
+        "startup_s": r["startup_s"],
         "rss_peak": r["rss_peak"],
-        "rss_training_peak": r["rss_training_peak"],
-        "rss_loaded": r["rss_loaded"],
+        "rss_step_max": r["rss_step_max"],
         "load": r["load"],
     }
 
@@ -401,15 +416,16 @@ def print_table(results: dict[str, dict]) -> None:
     fmt_s = lambda v: f"{v:.2f}"
     rows = [  # label, value of a summary, format, ratio ("speedup": TRL/ours, "fraction": ours/TRL, None)
         ("update s, median of 3", lambda s: s["median_s"], fmt_s, "speedup"),
+        ("update s, wall, median", lambda s: s["median_wall_s"], fmt_s, "speedup"),
         *((f"update {k + 1} s", lambda s, k=k: s["seconds"][k], fmt_s, "speedup") for k in range(WORK.updates)),
         *((f"  {p} s/update", lambda s, p=p: s["phases"].get(p), fmt_s, "speedup" if p in ("generation", "train total") else None)
           for p in (*PHASE_ROWS, "other")),
         ("generated tokens/update", lambda s: s["tokens"], lambda v: f"{v:.0f}", None),
         ("generation tok/s (median)", lambda s: statistics.median(s["gen_tok_s"]), lambda v: f"{v:.0f}", None),
         ("mean reward per update", lambda s: s["reward"], lambda v: "/".join(f"{x:.2f}" for x in v), None),
+        ("start-up s", lambda s: s["startup_s"], lambda v: f"{v:.1f}", "speedup"),
         ("peak RSS GiB (process)", lambda s: s["rss_peak"] / gib, fmt_s, "fraction"),
-        ("peak RSS GiB (updates)", lambda s: s["rss_training_peak"] / gib, fmt_s, "fraction"),
-        ("RSS GiB before update 1", lambda s: s["rss_loaded"] / gib, fmt_s, None),
+        ("RSS GiB at update ends, max", lambda s: s["rss_step_max"] / gib, fmt_s, "fraction"),
         ("load avg before/after", lambda s: s["load"], lambda v: "{:.2f}/{:.2f}".format(*v), None),
     ]
     width = 15
@@ -474,12 +490,20 @@ def check_prompts(raw: dict[str, dict]) -> None:
 
 
 def main() -> None:
+    from retrograd.device import cpu_name, describe, resolve_device
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
+    ap.add_argument("--duty-cycle", type=float, default=1.0, help="training.max_gpu_duty_cycle of our TOML (a GPU knob)")
+    ap.add_argument("--write-config", type=Path, metavar="DIR", help="write our TOML (auto dtype) and its prompts into DIR, and stop")
     ap.add_argument("--_child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:
-        print(json.dumps(CHILDREN[args._child]()))
+        print(json.dumps(CHILDREN[args._child](args.duty_cycle)))
+        return
+    if args.write_config:
+        args.write_config.mkdir(parents=True, exist_ok=True)
+        print(write_config(args.write_config, "auto", args.duty_cycle))
         return
     sides = args.sides.split(",")
     unknown = [s for s in sides if s not in SIDES]
@@ -493,19 +517,19 @@ def main() -> None:
     print(f"workload: {asdict(WORK)}; load average at start {os.getloadavg()[0]:.2f}", file=sys.stderr)
     raw = {}
     for side in sides:
-        raw[side] = spawn(side)
+        raw[side] = spawn(side, args.duty_cycle)
         print(f"measured {side} in {raw[side]['wall']:.0f} s, load {raw[side]['load'][0]:.2f} -> {raw[side]['load'][1]:.2f}", file=sys.stderr)
     decode = raw.pop("decode", None)
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; torch device {describe(resolve_device())}")
     for side, r in raw.items():
-        extra = f"compute {r['dtype']}" if "dtype" in r else f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}"
-        print(f"{side}: {extra}, {r['torch_threads']} torch threads")
+        if side.startswith("ours"):
+            print(f"{side}: retrograd train, training.threads {WORK.threads}, max_gpu_duty_cycle {args.duty_cycle}; {r['loaded']}")
+        else:
+            print(f"{side}: gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, {r['torch_threads']} torch threads")
     trl = [r for s, r in raw.items() if s.startswith("trl")]
     if trl:
         print("TRL " + ", ".join(f"{p} {v}" for p, v in trl[0]["versions"].items()))
         check_prompts(raw)
-    for side, r in raw.items():
-        if "init" in r:
-            print(f"{side} start-up: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["init"].items()))
     summaries = {s: summarize(r) for s, r in raw.items()}
     if summaries:
         print()

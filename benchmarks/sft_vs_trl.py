@@ -1,33 +1,44 @@
-"""SFT speed and memory: retrograd beside TRL's SFTTrainer on one identical CPU workload.
+"""SFT speed and memory: `retrograd train` beside TRL's SFTTrainer on one identical CPU workload.
 
     python benchmarks/sft_vs_trl.py                      # TRL, ours f32, bf16, bf16 + checkpointing (~6 min on 2 cores)
     python benchmarks/sft_vs_trl.py --sides ours-bf16    # a subset; TRL is not needed without "trl"
-    python benchmarks/sft_vs_trl.py --profile bf16       # torch.profiler over 3 of our steps
+    python benchmarks/sft_vs_trl.py --profile bf16       # torch.profiler over our first 4 steps, in this process
 
-Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1; 256 chat rows, row i user
+Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1; 160 chat rows, row i user
 "What is A + B?" and assistant "A+B" with A, B drawn by random.Random(0); loss on the
 assistant tokens only; LoRA rank 8, alpha 16 on q, k, v, o, gate, up, down; step k trains
-rows 8k..8k+7 in order; rows of at most 128 tokens; AdamW lr 1e-4 constant, no weight decay,
-gradient clip 1.0; 20 steps; 2 threads. TRL: transformers dequantizes the GGUF to float32,
-PEFT LoRA, SFTTrainer on prompt/completion conversations with completion_only_loss, fp32,
-no gradient checkpointing. Ours: load_model(weights="quantized"), attach_lora, load_sft,
-pack, batch_logprobs, clip_gradients, build_optimizer, in f32 and in bf16 compute.
+rows 8k..8k+7 in order, 20 steps; AdamW lr 1e-4 constant, no weight decay, gradient clip 1.0;
+2 threads. TRL: transformers dequantizes the GGUF to float32, PEFT LoRA, SFTTrainer on
+prompt/completion conversations with completion_only_loss, fp32, no gradient checkpointing.
+Ours: what a user runs, `retrograd train` in its own process on a TOML this script writes
+(the default [model] weights, f32 or bf16 compute, sft.shuffle = false, gradient_accumulation = 1 and a
+micro_batch token budget that packs exactly rows 8k..8k+7 into step k, which is checked with
+the recipe's own planner; no evaluation, no checkpoints); its numbers come from the run's own
+metrics.jsonl, so they are the progress table's.
 
-Each side runs in a fresh subprocess, so its peak RSS (ru_maxrss: load included) is its own.
-Definitions:
-  tok/s     non-pad input tokens (prompt and answer, every token the model reads) per
-            wall-clock second of a whole optimizer step; "steady" excludes step 1 (warm-up).
-  GFLOP/s   matmul FLOPs each side executes per step (2 per multiply-add), over steady time:
-            frozen linears forward 2·P·T plus input gradients 2·P·T (no weight gradients);
-            LoRA 6·r·(in+out)·T (forward, input and weight gradients); attention on R padded
-            rows of L slots 6·R·L²·H·(D+Dv) per layer; LM head 4·E·V·N over the N positions
-            it scores (ours: trained tokens only; TRL on CPU: every position of the padded batch).
+Each side runs in a fresh process, so its peak RSS (ru_maxrss: load included) is its own.
+Definitions (the progress table's tok/s is "tok/s per step"; benchmarks/README.md):
+  step s        one optimizer step's wall time, from packing its first micro-batch to the end of
+                the optimizer step (ours: the denominator of metrics.jsonl's train/tokens_per_second;
+                TRL: from one step's end to the next).
+  tok/s         non-pad input tokens (prompt and answer: every token the model reads) per second
+                of step time; "steady" is steps 2-20 (step 1 warms up), "all" is steps 1-20 (what
+                the run's closing `done ... tok/s=` line reports).
+  tok/s wall    steps 2-20's tokens over the wall-clock time from the end of step 1 to the end of
+                step 20, so with whatever runs between steps (metrics, the progress table).
+  start-up s    from launching the process to the start of step 1 (imports, model load, data).
+  GFLOP/s       matmul FLOPs each side executes per step (2 per multiply-add), over steady time:
+                frozen linears forward 2·P·T plus input gradients 2·P·T (no weight gradients);
+                LoRA 6·r·(in+out)·T (forward, input and weight gradients); attention on R padded
+                rows of L slots 6·R·L²·H·(D+Dv) per layer; LM head 4·E·V·N over the N positions
+                it scores (ours: trained tokens only; TRL on CPU: every position of the padded batch).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -48,7 +59,6 @@ LOSS_STEPS = (1, 5, 10, 20)
 
 @dataclass(frozen=True)
 class Workload:
-    rows: int = 256
     batch: int = 8
     steps: int = 20
     max_len: int = 128
@@ -58,6 +68,10 @@ class Workload:
     alpha: float = 16.0
     seed: int = 0
     threads: int = 2
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.steps
 
     def questions(self) -> list[tuple[str, str]]:
         """(user, assistant) per row: the sum written out, not computed."""
@@ -72,78 +86,120 @@ class Workload:
 WORK = Workload()
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def peak_rss_bytes(who=resource.RUSAGE_SELF) -> int:
+    return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB
 
 
-def run_ours(dtype: str, profile: bool = False, checkpointing: bool = False) -> dict:
-    """Our SFT step, written out as recipes/sft.py runs it, on the fixed batches; with
-    `checkpointing`, as training.gradient_checkpointing = true with checkpoint_dtype = "bf16"."""
-    import torch
+# ----------------------------------------------------------------------------- ours
 
-    from retrograd.data import ChatFormat, load_sft, resolve_chat_template
-    from retrograd.lora import attach_lora
-    from retrograd.memory import PeakMemory, rss_bytes
-    from retrograd.model.base import load_model
-    from retrograd.training.batches import LogprobOptions, batch_logprobs, pack
-    from retrograd.training.optim import build_optimizer, clip_gradients
 
-    torch.set_num_threads(WORK.threads)
-    model = load_model(weights="quantized", compute_dtype=dtype)
-    transformer = model.transformer
-    if checkpointing:
-        transformer.checkpoint_every, transformer.checkpoint_dtype = 1, torch.bfloat16
-    adapter = attach_lora(transformer, OUR_TARGETS, WORK.rank, WORK.alpha, WORK.seed)
-    chat = ChatFormat(model.tokenizer, resolve_chat_template(model.spec.chat_template), origin=str(model.path))
-    with tempfile.TemporaryDirectory() as tmp:
-        data_file = Path(tmp) / "sums.jsonl"
-        records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in WORK.questions()]
-        data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-        examples = load_sft(data_file, chat, ctx=WORK.max_len).examples
+def write_run(folder: Path, dtype: str, *, checkpointing: bool = False, micro_batch: int | None = None) -> Path:
+    """The workload as a `retrograd train` TOML (data file beside it), with the micro_batch
+    budget that packs 8 rows per step (`step_budget`; found on a first version without it)."""
+    data = folder / "sums.jsonl"
+    records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in WORK.questions()]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = folder / "sft.toml"
+    gc = '\ngradient_checkpointing = true\ncheckpoint_every_n_layers = 1\ncheckpoint_dtype = "bf16"' if checkpointing else ""
+    config.write_text(f"""
+[run]
+algorithm = "sft"
+
+[output]
+path = "{folder / 'out' / 'adapter.gguf'}"
+
+[lora]
+rank = {WORK.rank}
+alpha = {WORK.alpha}
+seed = {WORK.seed}
+targets = {json.dumps(OUR_TARGETS)}
+
+[training]
+ctx = {WORK.max_len}
+micro_batch = {micro_batch or 1}
+gradient_accumulation = 1
+lr = {WORK.lr}
+lr_scheduler = "constant"
+weight_decay = 0.0
+max_grad_norm = {WORK.max_grad_norm}
+threads = {WORK.threads}
+compute_dtype = "{dtype}"{gc}
+
+[sft]
+data = "{data}"
+shuffle = false
+""")
+    return config
+
+
+def step_budget(config: Path) -> tuple[list, int]:
+    """Our examples (ids, mask) as the recipe tokenizes them, and the micro_batch budget that
+    packs exactly rows 8k..8k+7 into step k (the recipe's own planner says so, or this fails)."""
+    from retrograd.config import load_config
+    from retrograd.data import load_sft
+    from retrograd.recipes.common import open_chat
+    from retrograd.recipes.sft import epoch_plan
+
+    cfg = load_config(config)
+    examples = load_sft(cfg.sft.data, open_chat(cfg), ctx=WORK.max_len).examples
     assert len(examples) == WORK.rows, "no row is longer than max_len"
-    params = adapter.parameters()
-    optimizer = build_optimizer(params, "adamw", WORK.lr, 0.0)
-    options = LogprobOptions()
-    rss_loaded = rss_bytes()
+    budget = max(sum(len(e.ids) for e in examples[k : k + WORK.batch]) for k in range(0, WORK.rows, WORK.batch))
+    plan = epoch_plan(examples, 0, seed=WORK.seed, shuffle=False, micro_batch=budget, accumulation=1)
+    expected = [[list(range(k, k + WORK.batch))] for k in range(0, WORK.rows, WORK.batch)]
+    assert plan == expected, f"micro_batch {budget} does not pack rows 8k..8k+7 per step"
+    return examples, budget
 
-    def step(k: int) -> float:
-        rows = examples[k * WORK.batch : (k + 1) * WORK.batch]
-        batch = pack(rows)
-        loss = -batch_logprobs(transformer, batch, options).sum() / sum(e.n_trained for e in rows)
-        loss.backward()
-        clip_gradients(params, WORK.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
 
-    if profile:
-        return profile_steps(step)
-    marks, losses = [time.perf_counter()], []
-    with PeakMemory() as peak:
-        for k in range(WORK.steps):
-            losses.append(step(k))
-            marks.append(time.perf_counter())
+def run_ours(dtype: str, checkpointing: bool = False) -> dict:
+    """`retrograd train` on the workload's TOML, in a process of its own; its metrics.jsonl."""
+    with tempfile.TemporaryDirectory() as tmp:
+        examples, budget = step_budget(write_run(Path(tmp), dtype))
+        config = write_run(Path(tmp), dtype, checkpointing=checkpointing, micro_batch=budget)
+        launched = time.time()
+        res = subprocess.run([sys.executable, "-m", "retrograd", "train", str(config)], check=False, capture_output=True, text=True)
+        wall = time.time() - launched
+        if res.returncode:
+            sys.exit(f"retrograd train failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+        records = [json.loads(line) for line in (Path(tmp) / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train/tokens_per_second" in r]
+    tokens = [sum(len(e.ids) for e in examples[k : k + WORK.batch]) for k in range(0, WORK.rows, WORK.batch)]
+    step_s = [n / r["train/tokens_per_second"] for n, r in zip(tokens, steps)]
     return {
         "ids": [list(e.ids) for e in examples],
         "mask": [list(e.mask) for e in examples],
-        "marks": marks,
-        "losses": losses,
-        "rss_loaded": rss_loaded,
-        "rss_training_peak": peak.peak_rss,
-        "rss_peak": peak_rss_bytes(),
+        "step_s": step_s,
+        "step_ends": [r["time"] for r in steps],
+        "startup_s": steps[0]["time"] - step_s[0] - launched,
+        "command_s": wall,
+        "losses": [r["train/loss"] for r in steps],
+        "rss_step_max": max(r["system/rss_bytes"] for r in steps),
+        "rss_peak": peak_rss_bytes(resource.RUSAGE_CHILDREN),
+        "micro_batch": budget,
+        "loaded": next(line.strip() for line in res.stdout.splitlines() if line.startswith("model loaded")),
+        "summary": res.stdout.strip().splitlines()[-1],
     }
 
 
-def profile_steps(step) -> dict:
-    """Warm up on step 1, then profile steps 2-4 and print where the time goes."""
+def profile_ours(dtype: str) -> None:
+    """The run's first 4 steps in this process under torch.profiler (model load and step 1's
+    warm-up included; the profiler slows everything down)."""
     import torch.profiler
 
-    step(0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for k in range(1, 4):
-            step(k)
+    from retrograd.config import load_config
+    from retrograd.recipes import sft
+    from retrograd.training.report import SilentReporter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        budget = step_budget(write_run(Path(tmp), dtype))[1]
+        cfg = load_config(write_run(Path(tmp), dtype, micro_batch=budget))
+        rows = cfg.sft.data.read_text().splitlines(keepends=True)
+        cfg.sft.data.write_text("".join(rows[: 4 * WORK.batch]))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            sft.run(cfg, SilentReporter())
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr)
-    return {}
+
+
+# ----------------------------------------------------------------------------- TRL
 
 
 def run_trl() -> dict:
@@ -155,17 +211,18 @@ def run_trl() -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from retrograd.bundled import default_model_path
-    from retrograd.memory import PeakMemory, rss_bytes
+    from retrograd.memory import rss_bytes
 
     class StepClock(TrainerCallback):
         def __init__(self):
-            self.marks, self.losses, self.tokens = [], [], []
+            self.marks, self.losses, self.tokens, self.rss = [], [], [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
+            self.marks.append(time.time())
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
+            self.marks.append(time.time())
+            self.rss.append(rss_bytes())
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -194,18 +251,18 @@ def run_trl() -> dict:
             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         )
         trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora, callbacks=[clock])
-        rss_loaded = rss_bytes()
-        with PeakMemory() as peak:
-            trainer.train()
+        trainer.train()
     rows = trainer.train_dataset.to_list()  # labels: the ids, with -100 where not trained
+    marks = clock.marks
     return {
         "ids": [row["input_ids"] for row in rows],
         "mask": [[label != -100 for label in row["labels"]] for row in rows],
-        "marks": clock.marks,
+        "step_s": [b - a for a, b in itertools.pairwise(marks)],
+        "step_ends": marks[1:],
+        "started": marks[0],
         "losses": clock.losses,
         "logged_tokens": clock.tokens,  # TRL's own cumulative count of attention-mask tokens
-        "rss_loaded": rss_loaded,
-        "rss_training_peak": peak.peak_rss,
+        "rss_step_max": max(clock.rss),
         "rss_peak": peak_rss_bytes(),
         "versions": {p: importlib.import_module(p).__version__ for p in TRL_PACKAGES},
     }
@@ -217,6 +274,9 @@ CHILDREN = {
     "ours-bf16": lambda: run_ours("bf16"),
     "ours-bf16-gc": lambda: run_ours("bf16", checkpointing=True),
 }
+
+
+# ----------------------------------------------------------------------------- driver
 
 
 def busy_cpu_seconds() -> float:
@@ -231,15 +291,22 @@ def children_cpu_seconds() -> float:
 
 
 def spawn(side: str) -> dict:
-    """Run one side in a fresh interpreter; also measure how busy the rest of the machine was."""
-    env = os.environ | {"OMP_NUM_THREADS": str(WORK.threads), "MKL_NUM_THREADS": str(WORK.threads), "TOKENIZERS_PARALLELISM": "false"}
-    t0, busy0, own0 = time.perf_counter(), busy_cpu_seconds(), children_cpu_seconds()
-    res = subprocess.run([sys.executable, __file__, "--_child", side], capture_output=True, text=True, env=env)
+    """Run one side in a fresh interpreter; also measure how busy the rest of the machine was.
+    TRL gets OMP/MKL thread counts from the environment (it has no knob); ours only what its
+    TOML says, as a user's run would."""
+    env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+    if side == "trl":
+        env |= {"OMP_NUM_THREADS": str(WORK.threads), "MKL_NUM_THREADS": str(WORK.threads)}
+    launched, busy0, own0 = time.time(), busy_cpu_seconds(), children_cpu_seconds()
+    res = subprocess.run([sys.executable, __file__, "--_child", side], check=False, capture_output=True, text=True, env=env)
     if res.returncode:
         sys.exit(f"sft_vs_trl: the {side} run failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
     others = (busy_cpu_seconds() - busy0) - (children_cpu_seconds() - own0)
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    out["other_cores"] = max(others, 0.0) / (time.perf_counter() - t0)
+    out["other_cores"] = max(others, 0.0) / (time.time() - launched)
+    if side == "trl":
+        out["startup_s"] = out["started"] - launched
+        out["command_s"] = time.time() - launched
     return out
 
 
@@ -289,8 +356,8 @@ def step_flops(dims: dict[str, int], tokens: int, rows: int, width: int, head_ro
 
 
 def summarize(side: str, r: dict, dims: dict[str, int]) -> dict:
-    marks, lengths = r["marks"], [len(ids) for ids in r["ids"]]
-    assert len(marks) == WORK.steps + 1, f"{side}: timed {len(marks) - 1} steps"
+    step_s, lengths = r["step_s"], [len(ids) for ids in r["ids"]]
+    assert len(step_s) == WORK.steps, f"{side}: timed {len(step_s)} steps"
     steps = [lengths[k * WORK.batch : (k + 1) * WORK.batch] for k in range(WORK.steps)]
     tokens = [sum(s) for s in steps]
     trained = [sum(map(sum, r["mask"][k * WORK.batch : (k + 1) * WORK.batch])) for k in range(WORK.steps)]
@@ -298,19 +365,21 @@ def summarize(side: str, r: dict, dims: dict[str, int]) -> dict:
         flops = [step_flops(dims, len(s) * max(s), len(s), max(s), len(s) * (max(s) - 1)) for s in steps]
     else:  # packed stream, rows padded to the longest, head on trained tokens only
         flops = [step_flops(dims, sum(s), len(s), max(s), n) for s, n in zip(steps, trained)]
-    steady = marks[-1] - marks[1]
+    steady = sum(step_s[1:])
     return {
         "tok_s": sum(tokens[1:]) / steady,
-        "tok_s_all": sum(tokens) / (marks[-1] - marks[0]),
-        "first_step_s": marks[1] - marks[0],
+        "tok_s_wall": sum(tokens[1:]) / (r["step_ends"][-1] - r["step_ends"][0]),
+        "tok_s_all": sum(tokens) / sum(step_s),
+        "first_step_s": step_s[0],
         "steady_step_s": steady / (WORK.steps - 1),
+        "startup_s": r["startup_s"],
+        "command_s": r["command_s"],
         "gflop_s": sum(flops[1:]) / steady / 1e9,
         "losses": r["losses"],
         "tokens": sum(tokens),
         "trained": sum(trained),
         "rss_peak": r["rss_peak"],
-        "rss_training_peak": r["rss_training_peak"],
-        "rss_loaded": r["rss_loaded"],
+        "rss_step_max": r["rss_step_max"],
         "other_cores": r["other_cores"],
     }
 
@@ -343,51 +412,54 @@ def compare_masks(ours: dict, trl: dict) -> list[str]:
     return lines
 
 
-def print_report(results: dict[str, dict], probe: dict[str, float]) -> None:
+def print_report(results: dict[str, dict], probe: dict[str, float] | None) -> None:
     gib = 2**30
-    print(f"\nmatmul probe, {WORK.threads} threads: f32 {probe['f32']:.0f} GFLOP/s, bf16 {probe['bf16']:.0f} GFLOP/s")
+    if probe:
+        print(f"\nCPU matmul probe, {WORK.threads} threads: f32 {probe['f32']:.0f} GFLOP/s, bf16 {probe['bf16']:.0f} GFLOP/s")
     sides = list(results)
     ours = [s for s in sides if s != "trl"]
     rows = [  # label, cell, the key whose ratio to TRL is printed (or None)
         ("tok/s steady (steps 2-20)", lambda s: f"{s['tok_s']:.0f}", "tok_s"),
+        ("tok/s steady, wall", lambda s: f"{s['tok_s_wall']:.0f}", "tok_s_wall"),
         ("tok/s all 20 steps", lambda s: f"{s['tok_s_all']:.0f}", "tok_s_all"),
         ("step 1 (warm-up) s", lambda s: f"{s['first_step_s']:.2f}", None),
         ("steady step s", lambda s: f"{s['steady_step_s']:.3f}", None),
+        ("start-up s", lambda s: f"{s['startup_s']:.1f}", "startup_s"),
+        ("whole command s", lambda s: f"{s['command_s']:.1f}", "command_s"),
         ("GFLOP/s executed", lambda s: f"{s['gflop_s']:.1f}", "gflop_s"),
         ("peak RSS GiB (process)", lambda s: f"{s['rss_peak'] / gib:.2f}", "rss_peak"),
-        ("peak RSS GiB (training)", lambda s: f"{s['rss_training_peak'] / gib:.2f}", "rss_training_peak"),
-        ("RSS GiB before training", lambda s: f"{s['rss_loaded'] / gib:.2f}", None),
+        ("RSS GiB at step ends, max", lambda s: f"{s['rss_step_max'] / gib:.2f}", "rss_step_max"),
         ("input tokens (20 steps)", lambda s: f"{s['tokens']}", None),
         ("trained tokens (20 steps)", lambda s: f"{s['trained']}", None),
         *((f"loss step {k}", lambda s, k=k: f"{s['losses'][k - 1]:.3f}", None) for k in LOSS_STEPS),
         ("other processes, cores", lambda s: f"{s['other_cores']:.2f}", None),
     ]
     ratios = ours if "trl" in results else []
-    print(f"{'':<27}" + "".join(f"{s:>11}" for s in sides) + "".join(f"{s + '/trl':>16}" for s in ratios))
+    print(f"{'':<27}" + "".join(f"{s:>13}" for s in sides) + "".join(f"{s + '/trl':>18}" for s in ratios))
     for label, cell, key in rows:
-        line = f"{label:<27}" + "".join(f"{cell(results[s]):>11}" for s in sides)
+        line = f"{label:<27}" + "".join(f"{cell(results[s]):>13}" for s in sides)
         if key:
-            line += "".join(f"{results[s][key] / results['trl'][key]:>16.2f}" for s in ratios)
+            line += "".join(f"{results[s][key] / results['trl'][key]:>18.2f}" for s in ratios)
         print(line)
-    for s in ours:
+    for s in ours if probe else ():
         dtype = s.split("-")[1]
         print(f"{s}: {results[s]['gflop_s'] / probe[dtype]:.0%} of the {dtype} matmul probe")
     print("\nloss per step")
     for s in sides:
-        print(f"  {s:<10} " + " ".join(f"{x:.2f}" for x in results[s]["losses"]))
+        print(f"  {s:<13} " + " ".join(f"{x:.2f}" for x in results[s]["losses"]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
-    ap.add_argument("--profile", choices=("f32", "bf16"), help="profile our steps 2-4 in this process and stop")
+    ap.add_argument("--profile", choices=("f32", "bf16"), help="profile our first 4 steps in this process and stop")
     ap.add_argument("--_child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:
         print(json.dumps(CHILDREN[args._child]()))
         return
     if args.profile:
-        run_ours(args.profile, profile=True)
+        profile_ours(args.profile)
         return
     sides = args.sides.split(",")
     unknown = [s for s in sides if s not in SIDES]
@@ -398,14 +470,22 @@ def main() -> None:
         print(f"sft_vs_trl: missing {', '.join(missing)} (benchmark-only): pip install {' '.join(missing)}", file=sys.stderr)
         sys.exit(2)
 
+    import torch
+
+    from retrograd.device import cpu_name, describe, resolve_device
+
     print(f"workload: {asdict(WORK)}; load average at start {os.getloadavg()[0]:.2f}", file=sys.stderr)
-    probe = matmul_probe()
+    on_gpu = torch.cuda.is_available()  # then our runs train there (device auto) and a CPU probe says nothing
+    probe = None if on_gpu else matmul_probe()
     raw = {}
     for side in sides:
         raw[side] = spawn(side)
         print(f"measured {side}", file=sys.stderr)
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; our device: {describe(resolve_device())}")
     dims = model_dims()
     results = {side: summarize(side, r, dims) for side, r in raw.items()}
+    for side in (s for s in sides if s != "trl"):
+        print(f"{side}: retrograd train, micro_batch {raw[side]['micro_batch']}; {raw[side]['loaded']}\n  its last line: {raw[side]['summary']}")
     if "trl" in raw:
         print("TRL " + ", ".join(f"{p} {v}" for p, v in raw["trl"]["versions"].items()))
         logged = raw["trl"]["logged_tokens"]

@@ -1,18 +1,34 @@
 """Frozen base weights that stay in their GGUF blocks, and the matmul that uses them.
 
 A FrozenWeight holds either the raw GGUF bytes (dequantized per use) or a dense tensor
-(the `bf16` / `f32` weight modes, or GGUF tensors that are already F32). `frozen_linear`
-is an autograd function that saves nothing for backward but the weight handle: the
-backward pass dequantizes again instead of keeping a dense copy alive.
+(the `bf16` / `f32` weight modes, `auto` when it fits, or GGUF tensors that are already
+F32). Beside its blocks it may carry a dense copy in the compute dtype (`kept`): for the
+model's life (`auto`'s token embedding, whose float32 rows still come from the blocks) or
+for one scope (`keep_dense`: an update's scoring passes and optimizer steps), so that
+micro-batches share one dequantization instead of paying two each (forward and backward).
+The copy holds exactly what dequantizing per use gives, so results are the same bits
+either way.
+
+`frozen_linear` is an autograd function that saves nothing for backward but the weight
+handle: without a kept copy the backward pass dequantizes again instead of keeping a dense
+copy alive.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psutil
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
-
 from retrograd.kernels.dequant import CODECS, dequantize
+
+# Dense copies (kept for a run or for a scope) may take at most this share of the memory that
+# is free when they are made: host RAM as psutil's `available`, or the GPU's free memory.
+DENSE_BUDGET_FRACTION = 0.5
 
 
 class FrozenWeight:
@@ -23,6 +39,7 @@ class FrozenWeight:
         self.data = data  # uint8 [n_out, row_bytes] for block types; float [n_out, n_in] when dense
         self.qtype = qtype
         self.shape = shape
+        self.kept: torch.Tensor | None = None  # a dense copy of `data` in one float dtype, while kept
 
     @property
     def is_dense(self) -> bool:
@@ -30,15 +47,30 @@ class FrozenWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        held = self.data.numel() * self.data.element_size()
+        return held + (0 if self.kept is None else self.kept.numel() * self.kept.element_size())
+
+    def ready(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The dense matrix in `dtype` when one is held (no work to get it), else None."""
+        if self.kept is not None and self.kept.dtype == dtype:
+            return self.kept
+        if self.is_dense and self.data.dtype == dtype:
+            return self.data
+        return None
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        held = self.ready(dtype)
+        if held is not None:
+            return held
         if self.is_dense:
             return self.data.to(dtype)
         return dequantize(self.data, self.qtype, self.shape, dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` (any shape) -> `[*index.shape, n_in]`: an embedding lookup."""
+        held = self.ready(dtype)
+        if held is not None:
+            return held[index]
         if self.is_dense:
             return self.data[index].to(dtype)
         flat = index.reshape(-1)
@@ -47,12 +79,23 @@ class FrozenWeight:
 
     def row_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start..stop -> `[stop-start, n_in]`: one vocabulary tile of an output head."""
+        held = self.ready(dtype)
+        if held is not None:
+            return held[start:stop]
         if self.is_dense:
             return self.data[start:stop].to(dtype)
         return dequantize(self.data[start:stop], self.qtype, (stop - start, self.shape[1]), dtype)
 
+    def dense_nbytes(self, dtype: torch.dtype) -> int:
+        """What a dense copy in `dtype` costs."""
+        return self.shape[0] * self.shape[1] * dtype.itemsize
+
     def to(self, device: torch.device) -> FrozenWeight:
-        return self if self.data.device == device else FrozenWeight(self.name, self.data.to(device), self.qtype, self.shape)
+        if self.data.device == device:
+            return self
+        moved = FrozenWeight(self.name, self.data.to(device), self.qtype, self.shape)
+        moved.kept = None if self.kept is None else self.kept.to(device)
+        return moved
 
     def to_dense(self, dtype: torch.dtype) -> FrozenWeight:
         """A copy dequantized once (the `bf16` / `f32` weight modes)."""
@@ -64,6 +107,66 @@ class FrozenWeight:
 
 def torch_dequantizable(qtype: QT) -> bool:
     return qtype in CODECS
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What dense copies may take on a device now: DENSE_BUDGET_FRACTION of its free memory."""
+
+    nbytes: int
+    free: int
+    where: str  # "RAM" or "GPU memory"
+
+    def __str__(self) -> str:
+        return f"{self.nbytes / 2**20:.0f} MiB, {DENSE_BUDGET_FRACTION:.0%} of {self.free / 2**30:.1f} GiB free {self.where}"
+
+
+def dense_budget(device: torch.device) -> Budget:
+    """Free memory: psutil's `available` host RAM (what can be allocated without swapping),
+    or the GPU's free memory."""
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], "GPU memory"
+    else:
+        free, where = psutil.virtual_memory().available, "RAM"
+    return Budget(int(DENSE_BUDGET_FRACTION * free), free, where)
+
+
+@dataclass
+class Kept:
+    """What one `keep_dense` scope holds: `made` of the `wanted` weights that were not dense
+    already (the rest did not fit), `nbytes` in all, within `budget` bytes."""
+
+    made: int = 0
+    wanted: int = 0
+    nbytes: int = 0
+    budget: int = 0
+
+    def describe(self) -> str:
+        return f"kept {self.made} of {self.wanted} quantized base matrices dense ({self.nbytes / 2**20:.0f} MiB of a {self.budget / 2**20:.0f} MiB budget)"
+
+
+@contextmanager
+def keep_dense(weights: Iterable[FrozenWeight], dtype: torch.dtype, budget: int) -> Iterator[Kept]:
+    """Inside the block each weight that would be dequantized (or cast) per use holds a dense
+    copy in `dtype`, in order while the copies fit `budget` bytes; the rest keep dequantizing
+    per use. The copies are dropped on exit."""
+    stats = Kept(budget=budget)
+    made: list[FrozenWeight] = []
+    try:
+        for w in weights:
+            if w.ready(dtype) is not None:
+                continue
+            stats.wanted += 1
+            cost = w.dense_nbytes(dtype)
+            if stats.nbytes + cost <= budget:
+                w.kept = w.dense(dtype).contiguous()
+                made.append(w)
+                stats.made += 1
+                stats.nbytes += cost
+        yield stats
+    finally:
+        for w in made:
+            w.kept = None
 
 
 class _FrozenLinear(torch.autograd.Function):
@@ -79,7 +182,11 @@ class _FrozenLinear(torch.autograd.Function):
 
 
 def frozen_linear(x: torch.Tensor, weight: FrozenWeight) -> torch.Tensor:
-    """x @ W.T for a frozen W; dense weights go straight to F.linear."""
+    """x @ W.T for a frozen W; a weight held dense in x's dtype goes straight to F.linear
+    (whose backward computes the same grad_out @ W)."""
+    held = weight.ready(x.dtype)
+    if held is not None:
+        return F.linear(x, held)
     if weight.is_dense:
-        return F.linear(x, weight.data if weight.data.dtype == x.dtype else weight.data.to(x.dtype))
+        return F.linear(x, weight.data.to(x.dtype))
     return _FrozenLinear.apply(x, weight)

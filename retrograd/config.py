@@ -50,7 +50,7 @@ class RunSection:
 class ModelSection:
     path: Path | None = key(None)  # None: --model, else the bundled SmolLM2
     device: str = key("auto", choices=("auto", "cpu", "gpu"))
-    weights: str = key("quantized", choices=("quantized", "bf16", "f32"))
+    weights: str = key("auto", choices=("auto", "quantized", "bf16", "f32"))  # auto: dense in the compute dtype when it fits memory
     chat_template: str | None = key(None)  # a built-in name (chatml, gemma) or a Jinja file, when the GGUF has none
 
 

@@ -7,6 +7,9 @@
   callback dies with its module during interpreter teardown, so any llama.cpp object freed
   after that (or any log line from a thread or a C++ destructor at exit) would jump into
   freed memory: SIGSEGV, exit status 139, after all the work is done.
+- `gpu_devices` names the GPUs this llama.cpp build can offload to (none for a CPU build),
+  and `gpu_offload_warning` is the line a run prints when torch has a CUDA GPU but llama.cpp
+  would sample on the CPU.
 - On a CPU with AMX, llama.cpp built with -march=native (what `pip install
   llama-cpp-python` does) moves quantized weights into its AMX "extra" buffers, whose
   matmul dies with SIGILL on tilezero (seen on an AVX10/AMX Xeon VM where oneDNN's AMX
@@ -25,6 +28,7 @@ import sys
 
 import llama_cpp
 import llama_cpp.llama_cpp as C
+from llama_cpp._ggml import libggml
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -68,4 +72,41 @@ if AMX_BUILD:
 LOG_CALLBACK = C.llama_log_callback() if os.environ.get("RETROGRAD_LLAMA_LOG") else _native_silent_logger()
 C.llama_log_set(LOG_CALLBACK, ctypes.c_void_p(0))
 
-__all__ = ["llama_cpp", "C"]
+# ggml-backend.h: the device list every llama.cpp model load picks its devices from.
+libggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+libggml.ggml_backend_dev_get.restype, libggml.ggml_backend_dev_get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libggml.ggml_backend_dev_type.restype, libggml.ggml_backend_dev_type.argtypes = ctypes.c_int, [ctypes.c_void_p]
+for _text in (libggml.ggml_backend_dev_name, libggml.ggml_backend_dev_description):
+    _text.restype, _text.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+_DEVICE_GPU, _DEVICE_IGPU = 1, 2  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL, META
+
+REBUILD_HINT = (
+    "bin/setup (with the CUDA toolkit's nvcc installed), or CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall "
+    "--no-deps --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python<0.4'"
+)
+
+
+def gpu_devices() -> tuple[str, ...]:
+    """'NAME (description)' of each device a model load offloads to by default: every
+    dedicated GPU, else the first integrated one (llama.cpp's rule); empty on a CPU build."""
+    gpus, igpus = [], []
+    for i in range(libggml.ggml_backend_dev_count()):
+        dev = libggml.ggml_backend_dev_get(i)
+        kind = libggml.ggml_backend_dev_type(dev)
+        if kind in (_DEVICE_GPU, _DEVICE_IGPU):
+            name = f"{libggml.ggml_backend_dev_name(dev).decode()} ({libggml.ggml_backend_dev_description(dev).decode()})"
+            (gpus if kind == _DEVICE_GPU else igpus).append(name)
+    return tuple(gpus or igpus[:1])
+
+
+def gpu_offload_warning(torch_has_cuda: bool) -> str | None:
+    """One line when torch trains on a CUDA GPU but this llama.cpp build samples on the CPU."""
+    if not torch_has_cuda or C.llama_supports_gpu_offload():
+        return None
+    return (
+        "warning: torch sees a CUDA GPU but this llama-cpp-python build has no GPU backend, so rollouts are "
+        f"sampled on the CPU; rebuild it with CUDA: {REBUILD_HINT}"
+    )
+
+
+__all__ = ["C", "gpu_devices", "gpu_offload_warning", "llama_cpp"]

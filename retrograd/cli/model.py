@@ -7,13 +7,13 @@ import typer
 from retrograd.bundled import default_model_path
 from retrograd.cli import app
 from retrograd.cli.options import ComputeOpt, DeviceOpt, ModelOpt, WeightsOpt
-from retrograd.device import resolve_device
 
 
 @app.command(epilog="Example: retrograd inspect --model ~/models/qwen2.5-0.5b-instruct-q4_k_m.gguf")
 def inspect(model: ModelOpt = None, device: DeviceOpt = "auto") -> None:
     """Architecture, sizes, tensor types, chat template, LoRA targets and device of a GGUF model."""
     from retrograd.capabilities import inspect_model
+    from retrograd.device import resolve_device
 
     report = inspect_model(model or default_model_path(), resolve_device(device))
     typer.echo("\n".join(report.lines()))
@@ -32,6 +32,7 @@ def preflight(
     compute_dtype: ComputeOpt = "f32",
 ) -> None:
     """Run one real forward+backward with a throwaway LoRA and report device fallbacks and memory."""
+    from retrograd.device import resolve_device
     from retrograd.preflight import run_preflight
 
     report = run_preflight(

@@ -24,10 +24,14 @@ def profile(
     full: bool = typer.Option(False, "--full", help="Run the workload as configured instead of the short default."),
 ) -> None:
     """Run a short GRPO or agentic GRPO workload and report where the time and memory go."""
+    from retrograd.cli.train import sampler_warning
     from retrograd.config import load_config
     from retrograd.profile import Workload
     from retrograd.profile import profile as run_profile
 
     cfg = load_config(config).with_overrides(model=model, device=device)
+    warning = sampler_warning(cfg)
+    if warning:
+        typer.echo(warning)
     lines = run_profile(cfg, Workload(updates, group_size, epochs, prompts, max_new_tokens, full))
     typer.echo("\n".join(lines))

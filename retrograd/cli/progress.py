@@ -6,8 +6,6 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from retrograd.memory import rss_bytes
-
 
 class ConsoleReporter:
     def __init__(self, console: Console | None = None):
@@ -46,6 +44,8 @@ class ConsoleReporter:
         self.console.print("  ".join(cells), markup=False)
 
     def advance(self, done: int, status: str) -> None:
+        from retrograd.memory import rss_bytes  # here: importing it loads torch, which `retrograd --help` never needs
+
         if self._progress is not None:
             self._progress.update(self._task, completed=done, status=f"{status} rss={rss_bytes() / 2**30:.2f}GiB")
 

@@ -42,8 +42,22 @@ def train(
     reporter.message(f"  config: {cfg.path}")
     reporter.message(f"  model:  {cfg.model.path or 'bundled SmolLM2-135M-Instruct Q4_1'}")
     reporter.message(f"  output: {cfg.output.path}")
+    warning = sampler_warning(cfg)
+    if warning:
+        reporter.message(warning)
     result = RECIPES[cfg.run.algorithm](cfg, reporter, resume=resume_arg)
     reporter.message(result.summary())
+
+
+def sampler_warning(cfg) -> str | None:
+    """The line that says llama.cpp would sample on the CPU while torch trains on a CUDA GPU
+    (every algorithm but sft runs llama.cpp)."""
+    if cfg.run.algorithm == "sft":
+        return None
+    from retrograd.device import resolve_device
+    from retrograd.llamacpp import gpu_offload_warning
+
+    return gpu_offload_warning(resolve_device(cfg.model.device).type == "cuda")
 
 
 def resume_choice(resume: bool, resume_from: Path | None, extra: list[str]) -> Path | bool | None:

@@ -19,11 +19,11 @@ from retrograd.errors import GGUFError
 from retrograd.gguf.file import GGUFFile, TensorInfo
 from retrograd.gguf.spec import ModelSpec, read_spec
 from retrograd.kernels.dequant import CODECS
-from retrograd.kernels.frozen import FrozenWeight
+from retrograd.kernels.frozen import FrozenWeight, dense_budget
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.model.transformer import Transformer
 
-WEIGHT_MODES = ("quantized", "bf16", "f32")
+WEIGHT_MODES = ("auto", "quantized", "bf16", "f32")
 COMPUTE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 HEAD_TILE = 16384  # vocabulary rows per tile when computing full logits
 
@@ -37,6 +37,7 @@ class BaseModel:
     weights_mode: str
     file_size: int
     notes: list[str] = field(default_factory=list)  # things the user should hear about (CLI prints them)
+    weights_choice: str = ""  # how the matrices are held, and for "auto" why (printed at start-up)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -76,7 +77,9 @@ def load_model(
     """GGUF file (default: the bundled SmolLM2-135M-Instruct Q4_1) -> BaseModel.
 
     weights: "quantized" keeps the GGUF blocks and dequantizes per matmul; "bf16" / "f32"
-    dequantize every matrix once at load. compute_dtype: "f32" or "bf16" for matmuls.
+    dequantize every matrix once at load; "auto" holds the matrices dense in the compute
+    dtype when they fit the memory budget (see `hold_dense`), else quantized. "auto" and
+    "quantized" compute the same bits. compute_dtype: "f32" or "bf16" for matmuls.
     device: a torch device (see retrograd.device.resolve_device for auto/cpu/gpu).
     tokenizer: one already opened for this file, reused."""
     if weights not in WEIGHT_MODES:
@@ -87,12 +90,43 @@ def load_model(
     f = GGUFFile(path)
     spec = read_spec(f)
     notes: list[str] = []
-    matrices, vectors = _load_tensors(f, spec, weights, notes)
+    matrices, vectors = _load_tensors(f, spec, "quantized" if weights == "auto" else weights, notes)
     tokenizer = tokenizer or Tokenizer(path)
-    transformer = Transformer(spec, matrices, vectors).to_device(torch.device(device))
+    device = torch.device(device)
+    transformer = Transformer(spec, matrices, vectors).to_device(device)
     transformer.compute_dtype = COMPUTE_DTYPES[compute_dtype]
     transformer.requires_grad_(False)
-    return BaseModel(path, spec, tokenizer, transformer, weights, f.size, notes)
+    choice = hold_dense(transformer, device) if weights == "auto" else WEIGHT_CHOICES[weights]
+    return BaseModel(path, spec, tokenizer, transformer, weights, f.size, notes, choice)
+
+
+WEIGHT_CHOICES = {
+    "quantized": "quantized (GGUF blocks, dequantized per use)",
+    "bf16": "bf16 (dequantized once at load)",
+    "f32": "f32 (dequantized once at load)",
+}
+
+
+def hold_dense(transformer: Transformer, device: torch.device) -> str:
+    """`weights = "auto"`: dequantize every matrix once into the compute dtype when the dense
+    copies fit the memory budget (kernels.frozen.dense_budget), else keep the blocks. Either
+    way the matmuls see the same values (dequantized blocks, cast to the compute dtype); the
+    token embedding keeps its blocks too, so its float32 rows stay exact. Returns the choice
+    and why, for the start-up lines."""
+    dtype = transformer.compute_dtype
+    embedding = transformer.token_embd
+    todo = [w for w in transformer.frozen_weights() if w.ready(dtype) is None]
+    cost = sum(w.dense_nbytes(dtype) for w in todo)
+    budget = dense_budget(device)
+    dtype_name = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    if cost > budget.nbytes:
+        return f"auto: quantized (GGUF blocks, dequantized per use): dense {dtype_name} copies ({cost / 2**20:.0f} MiB) exceed the budget ({budget})"
+    for w in todo:
+        if w is embedding:  # exact float32 rows come from the blocks; its own copy frees the file mapping
+            w.data, w.kept = w.data.clone(), w.dense(dtype).contiguous()
+        else:
+            w.data, w.kept = w.dense(dtype).contiguous(), None
+    return f"auto: dense {dtype_name} ({cost / 2**20:.0f} MiB; budget {budget})"
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

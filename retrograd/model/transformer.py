@@ -6,12 +6,12 @@ and RoPE run in float32; matmuls and attention run in `compute_dtype` (float32 o
 bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
 
 Shapes: T tokens in the flat stream of a micro-batch, R attention rows of L slots (see
-Layout), H query heads, K kv heads, D head size, E n_embd.
+Layout), H query heads, K kv heads, D head size, E n_embd, P tokens of a past prefix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -100,16 +100,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 class Layout:
     """How the flat token stream [T] of a micro-batch is cut into causal attention rows.
 
-    Each row lists flat token indices in attention order, padded at the end with T (an
-    all-zero slot that no real token can see under the causal mask). Packed examples are
-    separate rows, so they never see each other. A member of a group that shares a prefix
-    (GRPO's prompt) is the row prefix + member: its tokens see the prefix, whose
-    projections are computed once in the flat stream, and nothing else. Every token's
-    output is read back from one slot (`out_index`)."""
+    Each row lists stream indices in attention order, padded at the end with the stream's
+    length (an all-zero slot that no real token can see under the causal mask). Packed
+    examples are separate rows, so they never see each other. A member of a group that
+    shares a prefix (GRPO's prompt) is the row prefix + member: its tokens see the prefix,
+    whose projections are computed once, and nothing else. The stream starts with `n_past`
+    slots whose keys and values were computed by an earlier pass (a Past: a prompt shared
+    by several micro-batches), then the T tokens computed now. Every computed token's output
+    is read back from one slot (`out_index`)."""
 
-    rows: torch.Tensor  # [R, L] flat token index per slot, T = padding
-    out_index: torch.Tensor  # [T] slot (in the flattened [R * L] grid) each token's output comes from
-    positions: torch.Tensor  # [T] RoPE position of each token
+    rows: torch.Tensor  # [R, L] stream index per slot, n_past + T = padding
+    out_index: torch.Tensor  # [T] slot (in the flattened [R * L] grid) each computed token's output comes from
+    positions: torch.Tensor  # [n_past + T] RoPE position of each stream slot
+    n_past: int = 0
 
     @staticmethod
     def single(n_tokens: int, device: torch.device | str = "cpu") -> Layout:
@@ -117,17 +120,23 @@ class Layout:
         return Layout(idx.unsqueeze(0), idx, idx)
 
     @staticmethod
-    def from_rows(rows: list[list[int]], positions: list[int], out_slot: list[tuple[int, int]], device="cpu") -> Layout:
+    def from_rows(rows: list[list[int]], positions: list[int], out_slot: list[tuple[int, int]], device="cpu", n_past: int = 0) -> Layout:
+        """`positions` covers the whole stream (past slots first); `out_slot` the computed tokens."""
         n, width = len(positions), max(len(r) for r in rows)
         grid = torch.full((len(rows), width), n, dtype=torch.long)
         for i, r in enumerate(rows):
             grid[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         out = torch.tensor([row * width + col for row, col in out_slot], dtype=torch.long)
-        return Layout(grid.to(device), out.to(device), torch.tensor(positions, dtype=torch.long, device=device))
+        return Layout(grid.to(device), out.to(device), torch.tensor(positions, dtype=torch.long, device=device), n_past)
 
     @property
     def trivial(self) -> bool:
-        return self.rows.shape[0] == 1 and self.rows.shape[1] == self.positions.shape[0]
+        return self.n_past == 0 and self.rows.shape[0] == 1 and self.rows.shape[1] == self.positions.shape[0]
+
+    @property
+    def computed_positions(self) -> torch.Tensor:
+        """[T] RoPE positions of the tokens computed in this pass."""
+        return self.positions[self.n_past :]
 
     def window_mask(self, window: int) -> torch.Tensor | None:
         """[R, 1, L, L] bool for a sliding window (None when no row is long enough for it to bind)."""
@@ -140,6 +149,29 @@ class Layout:
 
 
 SHORT_ROWS = 256  # attention rows up to this length run in float32 (measured faster)
+
+
+@dataclass
+class Past:
+    """Keys and values (after RoPE, in the compute dtype) of tokens computed by an earlier
+    pass, per layer: [P, K, D] and [P, K, Dv]. A forward with `capture` fills one in; a
+    forward given one places it at the start of its stream (Layout.n_past)."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Pass:
+    """What every block of one forward reads."""
+
+    layout: Layout
+    compute_dtype: torch.dtype
+    rope: tuple  # global (cos, sin)
+    rope_local: tuple | None
+    mask_local: torch.Tensor | None
+    past: Past | None = None
+    capture: Past | None = None
 
 
 class Attention(nn.Module):
@@ -155,9 +187,10 @@ class Attention(nn.Module):
         self.n_head, self.n_head_kv, self.head_dim = spec.n_head, spec.n_head_kv, spec.head_dim
         self.scale = spec.attn_scale
         self.rope_style = spec.rope_style
+        self.index = i
 
-    def forward(self, x, rope, layout: Layout, mask, compute_dtype):
-        T = x.shape[0]
+    def forward(self, x, rope, mask, p: _Pass):
+        T, layout, compute_dtype = x.shape[0], p.layout, p.compute_dtype
         h = x.to(compute_dtype)
         q = self.attn_q(h).float().view(T, self.n_head, self.head_dim)  # [T, H, D]
         k = self.attn_k(h).float().view(T, self.n_head_kv, self.head_dim)  # [T, K, D]
@@ -167,6 +200,11 @@ class Attention(nn.Module):
         cos, sin = rope
         q = apply_rope(q, cos, sin, self.rope_style).to(compute_dtype)
         k = apply_rope(k, cos, sin, self.rope_style).to(compute_dtype)
+        if p.capture is not None:  # assigned, not appended: a checkpointed block runs twice
+            p.capture.keys[self.index], p.capture.values[self.index] = k, v
+        if p.past is not None:  # the past's slots come first; their queries are zeros whose outputs nobody reads
+            q = torch.cat([q.new_zeros(layout.n_past, *q.shape[1:]), q])
+            k, v = torch.cat([p.past.keys[self.index], k]), torch.cat([p.past.values[self.index].to(v.dtype), v])
         if layout.trivial:
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, D]
         else:  # gather into rows, with a zero slot for padding
@@ -217,12 +255,13 @@ class Block(nn.Module):
         self.post_ffw_norm = RMSNorm(vec[p + "post_ffw_norm.weight"], spec.norm_eps) if spec.sandwich_norm else None
         self.sliding = spec.swa_layers[i]
 
-    def forward(self, x, rope, layout, mask, compute_dtype):
-        a = self.attn(self.attn_norm(x), rope, layout, mask, compute_dtype).float()
+    def forward(self, x, p: _Pass):
+        rope, mask = (p.rope_local, p.mask_local) if self.sliding else (p.rope, None)
+        a = self.attn(self.attn_norm(x), rope, mask, p).float()
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
         x = x + a
-        f = self.ffn(self.ffn_norm(x), compute_dtype).float()
+        f = self.ffn(self.ffn_norm(x), p.compute_dtype).float()
         if self.post_ffw_norm is not None:
             f = self.post_ffw_norm(f)
         return x + f
@@ -266,24 +305,29 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.token_embd.data.device
 
-    def forward(self, tokens: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, layout: Layout | None = None, *, past: Past | None = None,
+                capture: Past | None = None) -> torch.Tensor:
         """tokens [T] -> final normed hidden states [T, E] (float32). Without a layout the
-        tokens are one sequence at positions 0..T-1."""
+        tokens are one sequence at positions 0..T-1. `past`: the keys and values of the
+        layout's n_past leading slots; `capture`: a Past to fill with this pass's own."""
         layout = layout or Layout.single(tokens.shape[0], tokens.device)
-        cdt = self.compute_dtype
         x = self.token_embd.rows(tokens, torch.float32) * self.spec.embed_scale  # [T, E]
-        rope_global = self.rope_global(layout.positions)
+        positions = layout.computed_positions
         sliding = any(self.spec.swa_layers)
-        rope_local = self.rope_local(layout.positions) if sliding else None
-        mask_local = layout.window_mask(self.spec.sliding_window) if sliding else None
+        p = _Pass(
+            layout, self.compute_dtype, self.rope_global(positions),
+            self.rope_local(positions) if sliding else None,
+            layout.window_mask(self.spec.sliding_window) if sliding else None,
+            past, capture,
+        )
+        if capture is not None:
+            capture.keys[:] = [None] * len(self.blocks)
+            capture.values[:] = [None] * len(self.blocks)
 
         def run(blocks, x):
             x = x.float()
             for block in blocks:
-                if block.sliding:
-                    x = block(x, rope_local, layout, mask_local, cdt)
-                else:
-                    x = block(x, rope_global, layout, None, cdt)
+                x = block(x, p)
             return x
 
         every = self.checkpoint_every if torch.is_grad_enabled() else 0

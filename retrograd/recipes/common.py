@@ -21,6 +21,7 @@ from retrograd.errors import ConfigError, DataError, DeviceError, TrainingDiverg
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import read_spec
+from retrograd.kernels.frozen import dense_budget, keep_dense
 from retrograd.lora import Adapter, attach_lora
 from retrograd.memory import rss_bytes
 from retrograd.model.base import BaseModel, load_model
@@ -32,6 +33,7 @@ from retrograd.training.report import Reporter
 
 # settings that never change what is computed, left out of the resume signature
 UNSIGNED_TRAINING_KEYS = ("threads", "max_gpu_duty_cycle", "require_gpu_resident")
+SAME_NUMBERS = {"auto": "quantized"}  # weight modes that compute the same bits sign alike
 
 
 def compute_dtype(name: str, device: torch.device) -> str:
@@ -61,6 +63,13 @@ class Setup:
         last = latest_checkpoint(self.cfg.checkpoint.directory) if self.cfg.checkpoint else None
         where = f"; the last good checkpoint is {last.path} (resume with --resume)" if last else "; no checkpoint was written"
         return TrainingDiverged(reason + where)
+
+    def keep_weights_dense(self):
+        """A scope (an update's scoring passes and optimizer steps) in which the quantized base
+        matrices stay dequantized, as many as fit the memory budget: its micro-batches share
+        one dequantization. The same bits as dequantizing per use."""
+        t = self.model.transformer
+        return keep_dense(t.frozen_weights(), t.compute_dtype, dense_budget(self.device).nbytes)
 
     @property
     def base_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -127,7 +136,8 @@ def load_base(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Base:
     t0, r0 = time.perf_counter(), rss_bytes()
     model = load_model(cfg.model.path, weights=cfg.model.weights, compute_dtype=precision, device=device, tokenizer=chat.tokenizer)
     timings = {"model load": (time.perf_counter() - t0, rss_bytes() - r0)}
-    reporter.message(f"model loaded in {timings['model load'][0]:.1f} s: {model.path.name} ({model.spec.arch}, {cfg.model.weights} weights, {precision} compute)")
+    reporter.message(f"model loaded in {timings['model load'][0]:.1f} s: {model.path.name} ({model.spec.arch}, {precision} compute)")
+    reporter.message(f"weights: {model.weights_choice}")
     for note in model.notes:
         reporter.message(f"note: {note}")
     return Base(device, model, precision, timings)
@@ -176,7 +186,7 @@ def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     sig = {
         "algorithm": cfg.run.algorithm,
         "model": file_fingerprint(setup.model.path),
-        "model.weights": cfg.model.weights,
+        "model.weights": SAME_NUMBERS.get(cfg.model.weights, cfg.model.weights),
         "compute_dtype": setup.precision,
         "lora": lora,
         "training": training,

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from retrograd.errors import GGUFError
-from retrograd.llamacpp import C
+from retrograd.llamacpp import C, gpu_devices
 
 # kv_dtype -> (ggml type of K and V, flash attention mode)
 KV_MODES = {
@@ -53,6 +53,24 @@ class Feed:
     pad: bool = False  # filler: its logits are computed (want_logits) but not copied out
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where llama.cpp runs a model loaded with its default n_gpu_layers (-1: all): every
+    layer (the blocks and the output layer) on the GPU devices it picks, else on the CPU."""
+
+    devices: tuple[str, ...]  # empty: the CPU
+    layers_offloaded: int
+    layers: int  # the model's blocks plus its output layer
+
+    @classmethod
+    def for_model(cls, n_layer: int) -> Placement:
+        devices = gpu_devices()
+        return cls(devices, n_layer + 1 if devices else 0, n_layer + 1)
+
+    def describe(self) -> str:
+        return f"{', '.join(self.devices) or 'cpu'}, {self.layers_offloaded}/{self.layers} layers offloaded"
+
+
 class Engine:
     def __init__(self, path: Path, *, n_ctx: int, n_seq_max: int, n_batch: int, kv_dtype: str, n_threads: int):
         self.path = Path(path)
@@ -60,6 +78,7 @@ class Engine:
         self.model = C.llama_model_load_from_file(str(self.path).encode(), C.llama_model_default_params())
         if not self.model:
             raise GGUFError(f"{self.path}: llama.cpp cannot load this model")
+        self.placement = Placement.for_model(C.llama_model_n_layer(self.model))
         self.vocab = C.llama_model_get_vocab(self.model)
         self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
         self.eog_ids = frozenset(t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t))

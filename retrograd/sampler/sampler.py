@@ -73,7 +73,7 @@ import numpy as np
 
 from retrograd.bundled import default_model_path
 from retrograd.errors import ConfigError, DataError
-from retrograd.sampler.engine import KV_MODES, MAX_SEQUENCES, Engine, Feed
+from retrograd.sampler.engine import KV_MODES, MAX_SEQUENCES, Engine, Feed, Placement
 from retrograd.sampler.live_adapter import LiveAdapter, RefreshTiming
 from retrograd.sampler.sampling import Sampling, sample_token
 
@@ -239,6 +239,11 @@ class Sampler:
     @property
     def eog_ids(self) -> frozenset[int]:
         return self.engine.eog_ids
+
+    @property
+    def placement(self) -> Placement:
+        """The device llama.cpp samples on and how many layers it offloaded there."""
+        return self.engine.placement
 
     def __enter__(self):
         return self

@@ -5,18 +5,19 @@ distillation.
 A micro-batch is a flat stream of packed sequences: positions restart in each sequence and
 attention never crosses a sequence boundary (see model.transformer.Layout), except that a
 group's members all see their shared prefix, packed and computed once (GRPO scores a
-group's prompt once).
+group's prompt once). A group too large for one micro-batch has its prefix computed once in
+a pass of its own (SharedPrefix) and its members split over micro-batches that read it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, TOKEN_CHUNK, VOCAB_TILE
-from retrograd.model.transformer import Layout, Transformer
+from retrograd.model.transformer import Layout, Past, Transformer
 
 
 @dataclass(frozen=True)
@@ -53,23 +54,52 @@ class TokenSequence:
         return sum(self.mask)
 
 
+class SharedPrefix:
+    """A group's prefix computed once for every micro-batch its members are split over: per
+    layer its keys and values, and the final hidden state of its last token (which predicts
+    each member's first token). Under autograd the micro-batches read detached leaves that
+    collect their gradients; `backward()` then sends the sum through the prefix's own pass
+    once, which gives the gradient a micro-batch holding the whole group would."""
+
+    def __init__(self, model: Transformer, ids: Sequence[int], device):
+        captured = Past()
+        hidden = model(torch.tensor(list(ids), dtype=torch.long, device=device), capture=captured)  # [P, E]
+        n = len(captured.keys)
+        outputs = [*captured.keys, *captured.values, hidden[-1]]
+        reads = [t.detach().requires_grad_() if t.requires_grad else t for t in outputs]
+        self.past = Past(reads[:n], reads[n : 2 * n])
+        self.last_hidden = reads[-1]  # [E]
+        self._graph = [(out, leaf) for out, leaf in zip(outputs, reads) if out.requires_grad]
+
+    def backward(self) -> None:
+        """The gradients the micro-batches left on the leaves, through the prefix's pass."""
+        pairs = [(out, leaf.grad) for out, leaf in self._graph if leaf.grad is not None]
+        self._graph = []
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
 @dataclass(frozen=True)
 class Group:
     """A prefix packed once and members that each continue it: GRPO's prompt and its
-    completions. A member's mask[0] may be True (its first token follows the prefix)."""
+    completions. A member's mask[0] may be True (its first token follows the prefix). With
+    `shared` the prefix was computed by an earlier pass and is not packed again."""
 
     prefix: tuple[int, ...]
     members: tuple[TokenSequence, ...]
+    shared: SharedPrefix | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class PackedBatch:
-    tokens: torch.Tensor  # [T] every token once (a shared prefix too)
+    tokens: torch.Tensor  # [T] every token once (a shared prefix too, unless computed earlier)
     layout: Layout  # how the tokens are cut into attention rows
-    hidden_index: torch.Tensor  # [N] hidden-state rows that predict a trained token
+    hidden_index: torch.Tensor  # [N] rows of [*earlier_hidden, *hidden of the T tokens] that predict a trained token
     targets: torch.Tensor  # [N] the trained token ids
     sequence_index: torch.Tensor  # [N] which packed sequence (group member) each belongs to
     n_sequences: int
+    past: Past | None = None  # keys and values of the prefixes computed earlier (the layout's n_past slots)
+    earlier_hidden: torch.Tensor | None = None  # [C, E] the last hidden state of each of those prefixes
 
     @property
     def n_tokens(self) -> int:
@@ -78,30 +108,39 @@ class PackedBatch:
 
 def pack(items: Sequence, device: torch.device | str = "cpu") -> PackedBatch:
     """Sequences (anything with .ids and .mask) and Groups -> one packed micro-batch."""
+    groups = [item if isinstance(item, Group) else Group((), (item,)) for item in items]
+    shared = [g for g in groups if g.shared is not None]
+    n_past = sum(len(g.prefix) for g in shared)
+    positions: list[int] = [pos for g in shared for pos in range(len(g.prefix))]  # the past slots, then the tokens
     ids: list[int] = []
-    positions: list[int] = []
     rows: list[list[int]] = []
     out_slot: list[tuple[int, int]] = []
     hidden_index, targets, owner = [], [], []
     n_sequences = 0
-    for item in items:
-        group = item if isinstance(item, Group) else Group((), (item,))
-        prefix = list(range(len(ids), len(ids) + len(group.prefix)))
-        ids += group.prefix
-        positions += range(len(prefix))
-        out_slot += [(len(rows), col) for col in range(len(prefix))]  # read from the first member's row
+    past_cursor = n_shared = 0
+    for group in groups:
+        if group.shared is not None:  # its prefix is in the past slots, its last hidden state an earlier row
+            prefix = list(range(past_cursor, past_cursor + len(group.prefix)))
+            past_cursor += len(prefix)
+            last, n_shared = n_shared, n_shared + 1
+        else:
+            prefix = list(range(n_past + len(ids), n_past + len(ids) + len(group.prefix)))
+            ids += group.prefix
+            positions += range(len(prefix))
+            out_slot += [(len(rows), col) for col in range(len(prefix))]  # read from the first member's row
+            last = len(shared) + prefix[-1] - n_past if prefix else None
         for member in group.members or (TokenSequence((), ()),):
             start = len(ids)
-            own = list(range(start, start + len(member.ids)))
+            own = list(range(n_past + start, n_past + start + len(member.ids)))
             ids += member.ids
             positions += range(len(prefix), len(prefix) + len(own))
             out_slot += [(len(rows), len(prefix) + col) for col in range(len(own))]
             rows.append(prefix + own)
             for i, trained in enumerate(member.mask):
                 if trained:
-                    if i == 0 and not prefix:
+                    if i == 0 and last is None:
                         raise ValueError("the first token of a sequence without a prefix cannot be trained")
-                    hidden_index.append(start + i - 1 if i else prefix[-1])
+                    hidden_index.append(len(shared) + start + i - 1 if i else last)
                     targets.append(member.ids[i])
                     owner.append(n_sequences)
             n_sequences += bool(member.ids)
@@ -109,8 +148,23 @@ def pack(items: Sequence, device: torch.device | str = "cpu") -> PackedBatch:
     def t(values):
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    layout = Layout.single(len(ids), device) if len(rows) == 1 else Layout.from_rows(rows, positions, out_slot, device)
-    return PackedBatch(t(ids), layout, t(hidden_index), t(targets), t(owner), n_sequences)
+    if len(rows) == 1 and not shared:
+        layout = Layout.single(len(ids), device)
+    else:
+        layout = Layout.from_rows(rows, positions, out_slot, device, n_past)
+    past = earlier = None
+    if shared:
+        n_layers = len(shared[0].shared.past.keys)
+        past = Past(
+            [_cat([g.shared.past.keys[i] for g in shared]) for i in range(n_layers)],
+            [_cat([g.shared.past.values[i] for g in shared]) for i in range(n_layers)],
+        )
+        earlier = torch.stack([g.shared.last_hidden for g in shared])
+    return PackedBatch(t(ids), layout, t(hidden_index), t(targets), t(owner), n_sequences, past, earlier)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -132,7 +186,9 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 def batch_logprobs(model: Transformer, batch: PackedBatch, options: LogprobOptions = LogprobOptions()) -> torch.Tensor:
     """Log-probabilities [N] of the batch's trained tokens, differentiable w.r.t. the LoRA."""
-    hidden = model(batch.tokens, batch.layout)  # [T, E]
+    hidden = model(batch.tokens, batch.layout, past=batch.past)  # [T, E]
+    if batch.earlier_hidden is not None:
+        hidden = torch.cat([batch.earlier_hidden, hidden])  # [C + T, E]
     selected = hidden.index_select(0, batch.hidden_index)  # [N, E]: logits only where loss is
     logprobs, _ = LOGPROB_PATHS[options.path](
         selected,

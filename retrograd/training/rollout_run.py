@@ -16,7 +16,7 @@ from retrograd.memory import PeakMemory, rss_bytes
 from retrograd.training.checkpoint import Checkpoint, check_signature
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_step import PolicyOptimizer
+from retrograd.training.rollout_step import PolicyOptimizer, adapter_is_zero
 from retrograd.training.state import restore_state
 
 T = TypeVar("T")
@@ -33,7 +33,7 @@ def resume_rollouts(checkpoint: Checkpoint | None, signature: dict, policy: Poli
         progress = restore_state(checkpoint, policy.setup, policy.optimizer)
         policy.global_step = progress["global_step"]
         reporter.message(f"resumed from {checkpoint.path} at update {progress['update']}")
-    if any(layer.lora_b.abs().sum() > 0 for layer in policy.setup.adapter.layers.values()):
+    if not adapter_is_zero(policy.setup.adapter):
         sampler.set_adapter(policy.setup.adapter)  # resumed or warm-started: sample from it
     return progress
 

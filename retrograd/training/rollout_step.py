@@ -1,13 +1,17 @@
 """One policy-gradient update on sampled rollouts, shared by GRPO, agentic GRPO and
 on-policy distillation: they differ in how rollouts and advantages are made, not here.
 
-Per update: the behaviour log-probs (a teacher-forced torch pass; skipped when one
-optimizer step covers the update, where the ratio is exactly 1 by construction), the
-reference log-probs with the adapter switched off when beta > 0, then `epochs` passes over
-`minibatches` shuffled minibatches, one optimizer step each, micro-batches packed with each
-group's prompt once. Every log-prob is at the sampling temperature (LogprobOptions). It
-also measures how far llama.cpp's sampling log-probs are from torch's on the same tokens,
-and hands back torch's log-probs of every sample before the update (rollouts.jsonl).
+Per update: `epochs` passes over `minibatches` shuffled minibatches, one optimizer step
+each, micro-batches packed with each group's prompt once. The ratios need the behaviour
+log-probs (the policy as it sampled): until the first optimizer step nothing has moved, so
+the first step's own forward gives them for its samples, and a teacher-forced pass scores
+only the samples of later minibatches. With beta > 0 the reference log-probs come from a
+pass with the adapter switched off, except while the adapter is still zero (B = 0 at
+initialisation): then the reference is the policy, and the behaviour log-probs serve as
+both. Every log-prob is at the sampling temperature (LogprobOptions). It also measures how
+far llama.cpp's sampling log-probs are from torch's on the same tokens, and hands back
+torch's log-probs of every sample before the update (rollouts.jsonl). The whole update
+runs with the quantized base matrices held dense as far as memory allows (keep_dense).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, merg
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.duty_cycle import DutyCycle
 from retrograd.training.optim import Schedule, clip_gradients
-from retrograd.training.scoring import Rollout, micro_batch_logprobs, plan, rollout_logprobs
+from retrograd.training.scoring import Rollout, plan_shared, rollout_logprobs, scored_micro_batches
 
 KL_DIVERGENCE_LIMIT = 50.0  # retrograd's divergence guard, on policy/kl (nats per token)
 
@@ -49,6 +53,8 @@ class UpdateResult:
 class PolicyOptimizer:
     """The optimizer side of a rollout recipe; `global_step` is saved with the checkpoint."""
 
+    reuse_first_forward = True  # False: a behaviour pass and a reference pass every update (tests compare)
+
     def __init__(self, setup, optimizer: torch.optim.Optimizer, loss_options: PolicyLossOptions, schedule: Schedule,
                  logprob_options: LogprobOptions, duty: DutyCycle, micro_batch: int, seed: int):
         self.setup, self.optimizer, self.loss_options = setup, optimizer, loss_options
@@ -65,26 +71,36 @@ class PolicyOptimizer:
         rollouts = [s.rollout for s in samples]
         minibatches = min(minibatches, len(samples))  # np.array_split would leave the rest empty
         self.total_steps = self.schedule.total_from(update, self.global_step, epochs * minibatches)
-        old = None
-        if epochs > 1 or minibatches > 1:  # ratios need the policy as it was when sampling
-            old = self._score(rollouts, timing, "behavior_scoring")
-        ref = None
-        if beta > 0:
-            with self.setup.adapter.disabled():
-                ref = self._score(rollouts, timing, "reference")
-
+        steps = [
+            sorted(int(i) for i in minibatch)  # groups stay adjacent: prompts packed once
+            for epoch in range(epochs)
+            for minibatch in np.array_split(np.random.default_rng([self.seed, update, epoch]).permutation(len(samples)), minibatches)
+        ]
+        # log-probs before any step: the first step's forward fills in its own samples
+        old: list[torch.Tensor | None] = [None] * len(samples)
         parts, per_step = [], []
-        before: list[torch.Tensor] = [o.cpu() for o in old] if old is not None else [None] * len(samples)  # type: ignore[misc]
-        t0 = time.perf_counter()
-        for epoch in range(epochs):
-            order = np.random.default_rng([self.seed, update, epoch]).permutation(len(samples))
-            for minibatch in np.array_split(order, minibatches):
-                idx = sorted(int(i) for i in minibatch)  # groups stay adjacent: prompts packed once
-                step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens, before if epoch == 0 else None)
+        with self.setup.keep_weights_dense() as kept:
+            if kept.wanted:
+                self.setup.detail(f"update {update + 1}: {kept.describe()}")
+            later = sorted(set(range(len(samples))) - set(steps[0])) if self.reuse_first_forward else list(range(len(samples)))
+            if len(steps) > 1 and later:
+                for i, logp in zip(later, self._score([rollouts[i] for i in later], timing, "behavior_scoring")):
+                    old[i] = logp
+            ref = None
+            if beta > 0:
+                if self.reuse_first_forward and adapter_is_zero(self.setup.adapter):
+                    ref = old  # the reference is the policy itself; filled in as `old` is
+                else:
+                    with self.setup.adapter.disabled():
+                        ref = self._score(rollouts, timing, "reference")
+            t0 = time.perf_counter()
+            for idx in steps:
+                step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens)
                 parts.extend(step_parts)
                 per_step.append(merge_diagnostics(step_parts))
-        timing["optimizer"] = timing.get("optimizer", 0.0) + time.perf_counter() - t0
+            timing["optimizer"] = timing.get("optimizer", 0.0) + time.perf_counter() - t0
 
+        before = [o.cpu() for o in old]
         merged = merge_diagnostics(parts)
         for k in ("policy/surrogate_loss", "policy/kl_loss", "policy/total_loss"):
             merged[k] /= len(per_step)  # shares add up per step; report the update's mean step
@@ -111,19 +127,24 @@ class PolicyOptimizer:
         timing[phase] = timing.get(phase, 0.0) + time.perf_counter() - t0
         return out
 
-    def _step(self, model, samples, idx, old, ref, beta, budget_tokens, before) -> list[dict]:
-        """One optimizer step on samples `idx`; on the first epoch, `before` collects each
-        sample's log-probs from this forward when no behaviour pass was made."""
+    def _step(self, model, samples, idx, old, ref, beta, budget_tokens) -> list[dict]:
+        """One optimizer step on samples `idx`. A sample whose `old` log-probs are still
+        unknown is in the update's first step: this forward is the policy as it sampled, so
+        it fills them in (and `ref`'s, when that is the same list)."""
         lr = self.schedule.apply(self.optimizer, self.global_step, self.total_steps)
         counts = MinibatchCounts(len(idx), sum(samples[i].n_scored for i in idx), budget_tokens)
         parts = []
-        micro_batches = plan([samples[i].rollout for i in idx], self.micro_batch)
+        rollouts = [samples[i].rollout for i in idx]
+        micro_batches = plan_shared(rollouts, self.micro_batch)
+        passes = scored_micro_batches(model, rollouts, micro_batches, self.options, self.setup.device)
         with self.duty.burst():
-            for k, micro in enumerate(micro_batches):
-                t0 = time.perf_counter()
-                chosen = [idx[j] for j in micro]
-                logp, mask = micro_batch_logprobs(model, [samples[i].rollout for i in chosen], self.options, self.setup.device)
-                old_logp = logp.detach() if old is None else padded([old[i] for i in chosen], mask)
+            t0 = time.perf_counter()
+            for k, (micro, logp, mask) in enumerate(passes):
+                chosen = [idx[j] for j in micro.rollouts]
+                for row, i in enumerate(chosen):
+                    if old[i] is None:
+                        old[i] = logp[row][mask[row]].detach().float()
+                old_logp = padded([old[i] for i in chosen], mask)
                 sampler_logp = padded([samples[i].sampler_logprobs for i in chosen], mask)
                 advantages = padded([samples[i].advantages.expand(samples[i].n_scored) for i in chosen], mask)
                 loss, diag = policy_loss(
@@ -133,14 +154,12 @@ class PolicyOptimizer:
                 )
                 loss.backward()
                 parts.append(diag)
-                if before is not None and old is None:
-                    for row, i in enumerate(chosen):
-                        before[i] = old_logp[row][mask[row]].float().cpu()
                 self.setup.detail(
                     f"step {self.global_step + 1} micro-batch {k + 1}/{len(micro_batches)}: {len(chosen)} sequences, "
                     f"{int(mask.sum())} scored tokens, loss share {diag['policy/total_loss']:.5f}, lr {lr:.3g}, "
                     f"{time.perf_counter() - t0:.2f} s"
                 )
+                t0 = time.perf_counter()
             if not math.isfinite(sum(p["policy/total_loss"] for p in parts)):
                 raise self.setup.diverged(f"step {self.global_step + 1}: the loss is not finite; stopped without updating the adapter — try a lower training.lr")
             clip_gradients(self.params, self.schedule.max_grad_norm)
@@ -148,6 +167,11 @@ class PolicyOptimizer:
             self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         return parts
+
+
+def adapter_is_zero(adapter) -> bool:
+    """Every LoRA B still zero: the adapted model computes exactly the base model."""
+    return not any(layer.lora_b.any() for layer in adapter.layers.values())
 
 
 def padded(vectors: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

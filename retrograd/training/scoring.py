@@ -3,17 +3,24 @@
 GRPO and on-policy distillation score the same things three ways (the current policy with
 gradients, the behaviour policy and the reference without): all go through here, so the
 packing, and therefore the numbers, are the same each time.
+
+A group whose prompt and completions do not fit one micro-batch (a small
+training.micro_batch) is split: its prompt is computed once (SharedPrefix) and its
+completions fill micro-batches by their own tokens, reading the prompt's keys and values.
+Recomputing the prompt in every micro-batch instead made a small micro_batch cost several
+times a large one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from retrograd.model.transformer import Transformer
-from retrograd.training.batches import Group, LogprobOptions, TokenSequence, batch_logprobs, pack
+from retrograd.training.batches import Group, LogprobOptions, SharedPrefix, TokenSequence, batch_logprobs, pack
 
 
 @dataclass(frozen=True)
@@ -50,19 +57,77 @@ def plan(rollouts: Sequence[Rollout], budget: int) -> list[list[int]]:
     return batches
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    rollouts: list[int]  # indices, a group's members adjacent
+    split: bool = False  # members of one group too large for a micro-batch: its prompt is a SharedPrefix
+
+
+def plan_shared(rollouts: Sequence[Rollout], budget: int) -> list[MicroBatch]:
+    """Micro-batches of at most `budget` tokens (at least one rollout each), in the given
+    order. Whole groups (prompt counted once) are packed together while they fit; a group
+    that fits no micro-batch is split, its prompt computed once and its members packed by
+    their own tokens."""
+    batches: list[MicroBatch] = []
+    current: list[int] = []
+    used = 0
+    for _, run in itertools.groupby(range(len(rollouts)), key=lambda i: rollouts[i].group):
+        members = list(run)
+        cost = len(rollouts[members[0]].prompt) + sum(len(rollouts[i].tokens) for i in members)
+        if current and used + cost > budget:
+            batches.append(MicroBatch(current))
+            current, used = [], 0
+        if cost <= budget:
+            current += members
+            used += cost
+            continue
+        chunk, chunk_used = [], 0
+        for i in members:
+            n = len(rollouts[i].tokens)
+            if chunk and chunk_used + n > budget:
+                batches.append(MicroBatch(chunk, split=True))
+                chunk, chunk_used = [], 0
+            chunk.append(i)
+            chunk_used += n
+        batches.append(MicroBatch(chunk, split=True))
+    if current:
+        batches.append(MicroBatch(current))
+    return batches
+
+
+def scored_micro_batches(
+    model: Transformer, rollouts: Sequence[Rollout], batches: Sequence[MicroBatch], options: LogprobOptions, device
+) -> Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor]]:
+    """(batch, logp [B, T], mask [B, T]) for each of `batches` in turn (micro_batch_logprobs).
+    A split group's prompt is computed when its first micro-batch comes. Under autograd the
+    caller backpropagates each micro-batch's loss before asking for the next one; after the
+    group's last micro-batch its prompt's own backward runs."""
+    shared: SharedPrefix | None = None
+    for k, batch in enumerate(batches):
+        chosen = [rollouts[i] for i in batch.rollouts]
+        if batch.split and shared is None:
+            shared = SharedPrefix(model, chosen[0].prompt, device)
+        yield batch, *micro_batch_logprobs(model, chosen, options, device, shared if batch.split else None)
+        last_of_group = k + 1 == len(batches) or not batches[k + 1].split or rollouts[batches[k + 1].rollouts[0]].group != chosen[0].group
+        if shared is not None and last_of_group:
+            shared.backward()
+            shared = None
+
+
 def micro_batch_logprobs(
-    model: Transformer, rollouts: Sequence[Rollout], options: LogprobOptions, device
+    model: Transformer, rollouts: Sequence[Rollout], options: LogprobOptions, device, shared: SharedPrefix | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch -> (logp [B, T], mask [B, T]): each row holds the log-probs of its
     scored tokens, left-aligned and padded to the longest; rows in the order of `rollouts`;
-    differentiable when grad is enabled."""
+    differentiable when grad is enabled. `shared`: the rollouts are members of one group
+    whose prompt was computed already."""
     by_group: dict[int, list[int]] = {}
     for i, r in enumerate(rollouts):
         by_group.setdefault(r.group, []).append(i)
     items, order = [], []
     for members in by_group.values():
         prompt = rollouts[members[0]].prompt
-        items.append(Group(prompt, tuple(rollouts[i].sequence() for i in members)))
+        items.append(Group(prompt, tuple(rollouts[i].sequence() for i in members), shared))
         order += members
     batch = pack(items, device)
     flat = batch_logprobs(model, batch, options)  # [N] in packing order
@@ -81,9 +146,9 @@ def micro_batch_logprobs(
 def rollout_logprobs(model: Transformer, rollouts: Sequence[Rollout], options: LogprobOptions, budget: int, device) -> list[torch.Tensor]:
     """Per-rollout log-prob vectors without gradients (behaviour or reference scoring)."""
     out: list[torch.Tensor] = [None] * len(rollouts)  # type: ignore[list-item]
+    batches = plan_shared(rollouts, budget)
     with torch.no_grad():
-        for idx in plan(rollouts, budget):
-            logp, mask = micro_batch_logprobs(model, [rollouts[i] for i in idx], options, device)
-            for row, i in enumerate(idx):
+        for batch, logp, mask in scored_micro_batches(model, rollouts, batches, options, device):
+            for row, i in enumerate(batch.rollouts):
                 out[i] = logp[row][mask[row]].float()
     return out

@@ -1,0 +1,129 @@
+"""Small micro-batches: seconds per GRPO update through `retrograd train` at micro_batch 8 and 1024.
+
+    python benchmarks/micro_batch.py                          # both workloads, both sizes (~3 min on 2 cores)
+    python benchmarks/micro_batch.py --workloads smoke --weights quantized
+
+Workloads (the bundled SmolLM2-135M-Instruct Q4_1, LoRA rank 8 / alpha 16 on all seven
+families, the prompts of examples/data/smoke_rl_prompts.jsonl in order, rewarded by
+examples/smoke_rl_reward.py over the reward protocol):
+  smoke  the Rust retrograd's smoke_tiny_grpo.toml: 2 prompts x 8 completions, 4 new tokens,
+         3 epochs, kl_coefficient 0.02, lr 5e-6, weight decay 0.01, ctx 64
+  trl    benchmarks/grpo_vs_trl.py's shape: 2 prompts x 8, at most 16 new tokens, 1 epoch,
+         kl_coefficient 0, lr 1e-5, ctx 128
+Each (workload, micro_batch) pair is one `python -m retrograd train` subprocess on a generated
+TOML, 2 threads (--threads), `[model] weights` from --weights (default: the config default, "auto").
+s/update is the mean of timing/update_seconds over the run's updates (metrics.jsonl; the
+recipe's warm-up step runs before the first), each phase the mean of its timing/*, and RSS
+the largest system/rss_bytes logged at the end of an update.
+Goals (issue 11): smoke at micro_batch 8 <= 8 s per update on 2 cores; micro_batch 8 at most
+1.3x the wall time of micro_batch 1024 on the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO_BATCHES = (8, 1024)
+PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer")
+GOALS = {"smoke_seconds": 8.0, "ratio": 1.3}
+WORKLOADS = {
+    "smoke": {"new_tokens": 4, "epochs": 3, "kl": 0.02, "lr": 5e-6, "weight_decay": 0.01, "ctx": 64},
+    "trl": {"new_tokens": 16, "epochs": 1, "kl": 0.0, "lr": 1e-5, "weight_decay": 0.0, "ctx": 128},
+}
+
+
+def config(workload: str, micro_batch: int, updates: int, weights: str | None, threads: int, out: Path) -> str:
+    w = WORKLOADS[workload]
+    weights_line = f'[model]\nweights = "{weights}"\n' if weights else ""
+    return f"""
+[run]
+algorithm = "grpo"
+{weights_line}
+[output]
+path = "{out / 'adapter.gguf'}"
+[lora]
+rank = 8
+alpha = 16.0
+[training]
+ctx = {w['ctx']}
+micro_batch = {micro_batch}
+lr = {w['lr']}
+weight_decay = {w['weight_decay']}
+threads = {threads}
+[grpo]
+prompts = "{ROOT / 'examples/data/smoke_rl_prompts.jsonl'}"
+reward_command = ["{sys.executable}", "{ROOT / 'examples/smoke_rl_reward.py'}"]
+prompt_order = "sequential"
+updates = {updates}
+prompts_per_update = 2
+group_size = 8
+grpo_epochs = {w['epochs']}
+clip_range_low = 0.2
+clip_range_high = 0.28
+kl_coefficient = {w['kl']}
+[grpo.sampling]
+max_new_tokens = {w['new_tokens']}
+"""
+
+
+def run(workload: str, micro_batch: int, updates: int, weights: str | None, threads: int) -> dict:
+    """One `retrograd train` run -> mean seconds per update and per phase."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        cfg = out / "grpo.toml"
+        cfg.write_text(config(workload, micro_batch, updates, weights, threads, out))
+        r = subprocess.run([sys.executable, "-m", "retrograd", "train", str(cfg)], cwd=ROOT, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            sys.exit(f"retrograd train failed ({workload}, micro_batch {micro_batch}):\n{r.stderr[-2000:]}")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "timing/update_seconds" in row]
+    weights_line = next((line for line in r.stdout.splitlines() if line.startswith("weights:")), "weights: ?")
+    return {
+        "update": statistics.mean(row["timing/update_seconds"] for row in rows),
+        **{p: statistics.mean(row.get(f"timing/{p}_seconds", 0.0) for row in rows) for p in PHASES},
+        "rss": max(row["system/rss_bytes"] for row in rows),
+        "weights": weights_line.removeprefix("weights: "),
+    }
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="smoke,trl", help="comma-separated: " + ", ".join(WORKLOADS))
+    parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--weights", default=None, help="[model] weights for every run (default: the config default)")
+    parser.add_argument("--threads", type=int, default=2, help="training.threads (the goals are for 2)")
+    args = parser.parse_args()
+    workloads = [w for w in args.workloads.split(",") if w]
+    print(f"CPU: {cpu_model()}; {args.threads} threads; {args.updates} updates per run")
+    print(f"{'workload':<9} {'micro_batch':>11} {'s/update':>9} " + " ".join(f"{p[:10]:>10}" for p in PHASES) + f" {'ratio':>6} {'RSS MiB':>8}  weights")
+    for workload in workloads:
+        results = {mb: run(workload, mb, args.updates, args.weights, args.threads) for mb in MICRO_BATCHES}
+        for mb, res in results.items():
+            ratio = res["update"] / results[max(MICRO_BATCHES)]["update"]
+            print(f"{workload:<9} {mb:>11} {res['update']:>9.2f} " + " ".join(f"{res[p]:>10.2f}" for p in PHASES)
+                  + f" {ratio:>5.2f}x {res['rss'] / 2**20:>8.0f}  {res['weights']}")
+        small = results[min(MICRO_BATCHES)]
+        ratio = small["update"] / results[max(MICRO_BATCHES)]["update"]
+        verdicts = [f"micro_batch {min(MICRO_BATCHES)} / {max(MICRO_BATCHES)} = {ratio:.2f}x (goal <= {GOALS['ratio']}x)"]
+        if workload == "smoke":
+            verdicts.append(f"{small['update']:.2f} s per update at micro_batch {min(MICRO_BATCHES)} (goal <= {GOALS['smoke_seconds']:g} s)")
+        print(f"  {workload}: " + "; ".join(verdicts))
+
+
+if __name__ == "__main__":
+    main()
