@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import psutil
 import torch
@@ -17,9 +16,11 @@ def rss_bytes() -> int:
 
 class PeakMemory:
     """Context manager sampling this process's RSS every `interval` seconds (and the CUDA
-    allocator's peak on a GPU): `.peak_rss`, `.rss_increase`, `.cuda_peak` afterwards."""
+    allocator's peak on a GPU): `.peak_rss`, `.rss_increase`, `.cuda_peak` afterwards.
+    Every 20 ms, from one psutil handle: sampling every 2 ms, each time through a new
+    psutil.Process, took ~5% of a one-thread training loop's speed on a 2-core VM."""
 
-    def __init__(self, interval: float = 0.002):
+    def __init__(self, interval: float = 0.02):
         self.interval = interval
         self.baseline = self.peak_rss = 0
         self.cuda_peak: int | None = None
@@ -34,9 +35,9 @@ class PeakMemory:
         return self
 
     def _sample(self):
-        while not self._stop.is_set():
-            self.peak_rss = max(self.peak_rss, rss_bytes())
-            time.sleep(self.interval)
+        process = psutil.Process()
+        while not self._stop.wait(self.interval):
+            self.peak_rss = max(self.peak_rss, process.memory_info().rss)
 
     def __exit__(self, *exc):
         self._stop.set()

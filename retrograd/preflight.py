@@ -17,6 +17,7 @@ from retrograd.llamacpp import C
 from retrograd.lora import attach_lora
 from retrograd.memory import PeakMemory, activation_bytes
 from retrograd.model.base import load_model
+from retrograd.sampler import Placement
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog while the farmer counts his sheep by the river. "
 PROBE_TOKENS = 32
@@ -33,6 +34,7 @@ class PreflightReport:
     probe_seconds: float
     probe_loss: float
     off_device: tuple[str, ...]
+    sampler: str  # where llama.cpp samples rollouts: device(s), layers offloaded
     notes: tuple[str, ...]
     ctx: int
     micro_batch: int
@@ -53,6 +55,7 @@ class PreflightReport:
             f"probe          {self.probe_tokens} tokens, {self.lora_summary}: forward+backward "
             f"{self.probe_seconds:.2f} s, loss {self.probe_loss:.3f}",
             f"off device     {'; '.join(self.off_device) if self.off_device else 'none'}",
+            f"sampler        llama.cpp on {self.sampler}",
         ]
         out += [f"note           {n}" for n in self.notes]
         out.append(f"memory estimate for ctx {self.ctx}, micro-batch {self.micro_batch} tokens")
@@ -127,6 +130,7 @@ def run_preflight(
         probe_seconds=seconds,
         probe_loss=float(loss.detach()),
         off_device=tuple(off_device(device, sampling=True)),
+        sampler=Placement.for_model(spec.n_layer).describe(),
         notes=tuple(notes),
         ctx=ctx,
         micro_batch=micro_batch,

@@ -75,12 +75,21 @@ def test_setup_builds_llama_cpp_with_cuda_where_there_is_a_compiler(checkout):
     assert r.stdout.rstrip().endswith(" llama.cpp=cuda base"), "the stamp records the backend"
 
 
-def test_setup_finds_nvcc_in_cuda_home_without_a_gpu(checkout):
+def test_setup_finds_nvcc_in_cuda_home(checkout):
     fake_tool(checkout / "cuda" / "bin", "nvcc", "echo nvcc")
-    r = setup_dry_run(checkout, CUDA_HOME=str(checkout / "cuda"))
+    r = setup_dry_run(checkout, gpu=True, CUDA_HOME=str(checkout / "cuda"))
     assert r.returncode == 0, r.stderr
     assert "CMAKE_ARGS=-DGGML_CUDA=on" in (cuda_build(r) or ""), r.stdout
+
+
+def test_setup_with_a_compiler_but_no_gpu_builds_for_the_cpu(checkout):
+    """Machines here carry a CUDA toolkit without a GPU: a CUDA build would not even load."""
+    r = setup_dry_run(checkout, nvcc=True)
+    assert r.returncode == 0, r.stderr
+    assert "llama.cpp backend cpu (GPU: none" in r.stderr and "warning" not in r.stderr
+    assert cuda_build(r) is None
     assert "pip install -q torch==2.13.0" in commands(r)  # no GPU: the CPU torch wheel
+    assert r.stdout.rstrip().endswith(" llama.cpp=cpu base")
 
 
 def test_setup_warns_when_a_gpu_has_no_compiler(checkout):

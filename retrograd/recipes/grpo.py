@@ -131,6 +131,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
         setup = prepare(cfg, reporter, chat)
         t0, r0 = time.perf_counter(), rss_bytes()
         with Sampler(setup.model.path, sampler_options(cfg)) as sampler:
+            reporter.message(f"sampler: llama.cpp on {sampler.placement.describe()}")
             init = setup.timings | {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}
             loop = GRPOLoop(cfg, setup, sampler, reward, prompts, eval_prompts, reporter)
             init |= warm_up(setup)
