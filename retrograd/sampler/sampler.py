@@ -54,8 +54,12 @@ rows or more compute differently), so it is part of what a run must keep (it is 
 resume signature as training.generation_concurrency). Across builds, machines or GPU
 backends nothing is promised (other kernels). Costs: a prompt is prefilled in pieces of at
 most PREFILL_CHUNK + 2 tokens, one llama_decode each; a step computes pad rows for idle
-streams (measured no slower at 16 sequences; one sequence alone steps with 2 rows, about
-30% slower than with 1).
+streams, and a pad row costs what a live one does (SmolLM2 Q4_1, one thread, AMD EPYC: a
+step of 16 rows 105 ms, 8 rows 59 ms, 1 row 11 ms), so after the last waiting request has
+started, every step costs a full one until the last sequence ends (llama.cpp's own batched
+decode drops finished sequences, but with split KV it also cuts such a batch into one ubatch
+per run of consecutive sequence ids); one sequence alone steps with 2 rows, about 30% slower
+than with 1.
 
 Log-probabilities are those of sampling.py.
 """

@@ -10,6 +10,13 @@ a nucleus it is the behaviour probability that truncated importance sampling cor
 
 Each draw consumes exactly one `rng.random()`, so a sequence's tokens depend only on its
 seed, its context and the logits, never on which other sequences share the batch.
+
+Cost (it runs once per token, between llama_decode calls that wait for it): a cumulative sum
+over the whole vocabulary is a chain of dependent float64 additions (160 us for SmolLM2's
+49152 tokens, 60% of a draw); the draw instead sums blocks of BLOCK weights (vectorised), finds
+the block holding the draw, and runs the cumulative sum inside that block only. The nucleus
+sorts only the tokens above a weight floor whose mass already reaches top_p (a full stable
+sort of the vocabulary took 4.9 ms a draw), lowering the floor until it does.
 """
 
 from __future__ import annotations
@@ -39,19 +46,47 @@ class Sampling:
             raise ConfigError(f"sampler: top_p {self.top_p!r} must be in (0, 1]")
 
 
+BLOCK = 1024  # tokens per partial sum of the draw's cumulative search
+NUCLEUS_FLOORS = (1e-3, 1e-6, 1e-9, 0.0)  # weights relative to the most likely token's
+
+
 def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> tuple[int, float]:
     """logits [V] float32 -> (token, its log-prob under the distribution it was drawn from)."""
-    x = (logits.astype(np.float64) - float(logits.max())) / sampling.temperature  # [V] tempered, max 0
+    x = logits.astype(np.float64)
+    x -= x.max()
+    if sampling.temperature != 1.0:
+        x /= sampling.temperature  # [V] tempered, max 0
     weights = np.exp(x)  # [V] unnormalised, max 1
     if sampling.top_p < 1.0:
-        order = np.argsort(-weights, kind="stable")  # [V] most likely first
-        cdf = np.cumsum(weights[order])  # [V]
-        keep = int(np.searchsorted(cdf, sampling.top_p * cdf[-1])) + 1  # smallest nucleus reaching top_p
-        candidates = order[:keep]
-        cdf = cdf[:keep]
+        candidates, cdf = _nucleus(weights, sampling.top_p)
+        pick = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
+        token, total = int(candidates[pick]), cdf[-1]
     else:
-        candidates = None
-        cdf = np.cumsum(weights)  # [V]
-    pick = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
-    token = int(candidates[pick]) if candidates is not None else pick
-    return token, float(x[token] - math.log(cdf[-1]))
+        token, total = _draw(weights, rng.random())
+    return token, float(x[token] - math.log(total))
+
+
+def _draw(weights: np.ndarray, u: float) -> tuple[int, float]:
+    """The token where the cumulative weight first exceeds u * total, and the total."""
+    block_cdf = np.cumsum(np.add.reduceat(weights, np.arange(0, len(weights), BLOCK)))  # [ceil(V / BLOCK)]
+    total = float(block_cdf[-1])
+    target = u * total
+    k = min(int(np.searchsorted(block_cdf, target, side="right")), len(block_cdf) - 1)
+    block = weights[k * BLOCK : (k + 1) * BLOCK]
+    before = float(block_cdf[k - 1]) if k else 0.0
+    j = min(int(np.searchsorted(np.cumsum(block), target - before, side="right")), len(block) - 1)
+    return k * BLOCK + j, total
+
+
+def _nucleus(weights: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest set of most likely tokens whose weight reaches top_p of the total, most
+    likely first (ties in id order), and their cumulative weights [keep]."""
+    goal = top_p * float(weights.sum())
+    for floor in NUCLEUS_FLOORS:
+        above = np.flatnonzero(weights >= floor)  # id order: the stable sort keeps ties in it
+        order = above[np.argsort(-weights[above], kind="stable")]
+        cdf = np.cumsum(weights[order])
+        if cdf[-1] >= goal:  # every token outside `above` is less likely than all in it
+            break
+    keep = min(int(np.searchsorted(cdf, goal)) + 1, len(cdf))
+    return order[:keep], cdf[:keep]
