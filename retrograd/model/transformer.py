@@ -5,6 +5,14 @@ gemma3}.cpp); architecture differences are ModelSpec fields. The residual stream
 and RoPE run in float32; matmuls and attention run in `compute_dtype` (float32 or
 bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
 
+Mixed precision: a bf16 matmul's output is a bf16 number, and a young LoRA's delta on it
+lies far below bf16's resolution (1/256 of the value), so base + delta rounded back to bf16
+is the base output again: the adapter would get gradients while its forward effect stayed
+invisible (bf16 SFT fell 23% behind float32 per step). So a projection's output (float32
+once a LoRA adds to it) is never rounded back by itself: queries and keys go through RoPE in
+float32, values that carry a LoRA make the attention run in float32, and the FFN's gate and
+up meet in float32, their product rounded once for the down projection.
+
 Shapes: T tokens in the flat stream of a micro-batch, R attention rows of L slots (see
 Layout), H query heads, K kv heads, D head size, E n_embd, P tokens of a past prefix.
 """
@@ -16,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from retrograd.gguf.spec import ModelSpec
@@ -153,8 +162,8 @@ SHORT_ROWS = 256  # attention rows up to this length run in float32 (measured fa
 
 @dataclass
 class Past:
-    """Keys and values (after RoPE, in the compute dtype) of tokens computed by an earlier
-    pass, per layer: [P, K, D] and [P, K, Dv]. A forward with `capture` fills one in; a
+    """Keys (after RoPE, float32) and values (as the projection gave them) of tokens computed
+    by an earlier pass, per layer: [P, K, D] and [P, K, Dv]. A forward with `capture` fills one in; a
     forward given one places it at the start of its stream (Layout.n_past)."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
@@ -190,21 +199,27 @@ class Attention(nn.Module):
         self.index = i
 
     def forward(self, x, rope, mask, p: _Pass):
-        T, layout, compute_dtype = x.shape[0], p.layout, p.compute_dtype
-        h = x.to(compute_dtype)
+        T, layout = x.shape[0], p.layout
+        h = x.to(p.compute_dtype)
         q = self.attn_q(h).float().view(T, self.n_head, self.head_dim)  # [T, H, D]
         k = self.attn_k(h).float().view(T, self.n_head_kv, self.head_dim)  # [T, K, D]
-        v = self.attn_v(h).view(T, self.n_head_kv, -1)  # [T, K, Dv]
+        v = self.attn_v(h).view(T, self.n_head_kv, -1)  # [T, K, Dv], float32 from a LoRA
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q = apply_rope(q, cos, sin, self.rope_style).to(compute_dtype)
-        k = apply_rope(k, cos, sin, self.rope_style).to(compute_dtype)
+        q = apply_rope(q, cos, sin, self.rope_style)
+        k = apply_rope(k, cos, sin, self.rope_style)
         if p.capture is not None:  # assigned, not appended: a checkpointed block runs twice
             p.capture.keys[self.index], p.capture.values[self.index] = k, v
         if p.past is not None:  # the past's slots come first; their queries are zeros whose outputs nobody reads
             q = torch.cat([q.new_zeros(layout.n_past, *q.shape[1:]), q])
             k, v = torch.cat([p.past.keys[self.index], k]), torch.cat([p.past.values[self.index].to(v.dtype), v])
+        # float32 on short rows (torch's CPU flash-attention backward is 3x slower there in
+        # bf16) and for a LoRA's float32 values: their delta is linear in the output, and bf16
+        # would round it away (queries and keys went through RoPE: rounding them only adds noise)
+        short = layout.rows.shape[1] <= SHORT_ROWS
+        attention_dtype = torch.float32 if short or v.dtype == torch.float32 else p.compute_dtype
+        q, k, v = q.to(attention_dtype), k.to(attention_dtype), v.to(attention_dtype)
         if layout.trivial:
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, D]
         else:  # gather into rows, with a zero slot for padding
@@ -217,14 +232,39 @@ class Attention(nn.Module):
                 .view(*layout.rows.shape, *t.shape[1:]).transpose(1, 2)
                 for t in (q, k, v)
             )  # [R, heads, L, D]
-        # torch's CPU flash-attention backward is 3x slower in bf16 on short rows
-        attention_dtype = torch.float32 if q.shape[-2] <= SHORT_ROWS else compute_dtype
-        q, k, v = q.to(attention_dtype), k.to(attention_dtype), v.to(attention_dtype)  # v: float32 from a LoRA
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.n_head != self.n_head_kv
-        ).to(compute_dtype)  # [R, H, L, Dv]
+        ).to(p.compute_dtype)  # [R, H, L, Dv]
         out = out.transpose(1, 2).reshape(-1, self.n_head * out.shape[-1])  # [R * L, H * Dv]
         return self.attn_output(out if layout.trivial else out[layout.out_index])  # [T, E]
+
+
+# spec.ffn_act -> (act, (grad, x) -> grad * act'(x))
+GATE_ACTIVATIONS = {
+    "silu": (F.silu, torch.ops.aten.silu_backward),
+    "gelu": (lambda x: F.gelu(x, approximate="tanh"), lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate="tanh")),
+}
+
+
+class _GatedProduct(torch.autograd.Function):
+    """act(gate) * up in float32 (a LoRA's delta on gate or up is below bf16's resolution
+    of them), rounded once to `dtype` for the down projection. Saves only gate and up:
+    autograd would keep act(gate) as well."""
+
+    @staticmethod
+    def forward(ctx, gate, up, act: str, dtype):
+        gate, up = gate.float(), up.float()
+        ctx.act = act
+        ctx.save_for_backward(gate, up)
+        return (GATE_ACTIVATIONS[act][0](gate) * up).to(dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        act, act_backward = GATE_ACTIVATIONS[ctx.act]
+        grad = grad.float()
+        return act_backward(grad * up, gate), grad * act(gate), None, None
 
 
 class FeedForward(nn.Module):
@@ -234,12 +274,11 @@ class FeedForward(nn.Module):
         self.ffn_gate = FrozenLinear(w[p + "ffn_gate.weight"], None)
         self.ffn_up = FrozenLinear(w[p + "ffn_up.weight"], None)
         self.ffn_down = FrozenLinear(w[p + "ffn_down.weight"], None)
-        self.act = F.silu if spec.ffn_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+        self.act = spec.ffn_act
 
     def forward(self, x, compute_dtype):
         h = x.to(compute_dtype)
-        gate, up = self.ffn_gate(h).to(compute_dtype), self.ffn_up(h).to(compute_dtype)  # float32 from a LoRA
-        return self.ffn_down(self.act(gate) * up)
+        return self.ffn_down(_GatedProduct.apply(self.ffn_gate(h), self.ffn_up(h), self.act, compute_dtype))
 
 
 class Block(nn.Module):
