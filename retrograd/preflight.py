@@ -84,7 +84,7 @@ def run_preflight(
     alpha: float = 4.0,
     ctx: int = 128,
     micro_batch: int = 32,
-    weights: str = "quantized",
+    weights: str = "auto",
     compute_dtype: str = "f32",
 ) -> PreflightReport:
     model = load_model(path, weights=weights, compute_dtype=compute_dtype, device=device)

@@ -28,7 +28,7 @@ def preflight(
     ctx: int = typer.Option(128, "--ctx", min=1, help="Training window in tokens, for the memory estimate."),
     micro_batch: int = typer.Option(32, "--micro-batch", min=1, help="Tokens per forward/backward, for the memory estimate."),
     rank: int = typer.Option(2, "--rank", min=1, help="LoRA rank of the probe adapter."),
-    weights: WeightsOpt = "quantized",
+    weights: WeightsOpt = "auto",
     compute_dtype: ComputeOpt = "f32",
 ) -> None:
     """Run one real forward+backward with a throwaway LoRA and report device fallbacks and memory."""

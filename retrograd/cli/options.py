@@ -13,6 +13,6 @@ ModelOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (a CUDA GPU if torch sees one), cpu or gpu.")]
 WeightsOpt = Annotated[
-    str, typer.Option("--weights", help="quantized (keep GGUF blocks, dequantize per matmul), bf16 or f32 (dequantize once).")
+    str, typer.Option("--weights", help="auto (dense in the compute dtype when it fits half the free memory, else quantized), quantized (keep GGUF blocks, dequantize per matmul), bf16 or f32 (dequantize once).")
 ]
 ComputeOpt = Annotated[str, typer.Option("--compute-dtype", help="Matmul precision: f32 or bf16.")]
