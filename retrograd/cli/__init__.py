@@ -21,9 +21,13 @@ app = typer.Typer(
 )
 
 from retrograd.cli import bench as _bench  # noqa: F401  (registers bench)
+from retrograd.cli import chat as _chat  # noqa: F401  (registers chat)
 from retrograd.cli import distill as _distill  # noqa: F401  (registers distill-teacher)
+from retrograd.cli import merge as _merge  # noqa: F401  (registers merge)
 from retrograd.cli import model as _model  # noqa: F401  (registers inspect, preflight)
 from retrograd.cli import profile as _profile  # noqa: F401  (registers profile)
+from retrograd.cli import report as _report  # noqa: F401  (registers report)
+from retrograd.cli import serve as _serve  # noqa: F401  (registers serve)
 from retrograd.cli import train as _train  # noqa: F401  (registers train)
 
 

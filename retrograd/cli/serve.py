@@ -1,0 +1,5 @@
+"""`retrograd serve`."""
+
+from __future__ import annotations
+
+from retrograd.cli import app  # noqa: F401
