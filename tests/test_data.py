@@ -415,8 +415,8 @@ def test_format_from_name_content_or_declaration(tmp_path, smol, name, first_lin
 
 def test_unknown_data_format_is_refused(tmp_path, smol):
     (tmp_path / "d.txt").write_text("hello world")
-    with pytest.raises(ConfigError, match="data_format = 'csv': expected one of text, txt, jsonl, chat, chat-jsonl"):
-        load_sft(tmp_path / "d.txt", smol, ctx=64, data_format="csv")
+    with pytest.raises(ConfigError, match="data_format = 'xml': expected one of text, txt, jsonl, json, chat, chat-jsonl, csv, parquet"):
+        load_sft(tmp_path / "d.txt", smol, ctx=64, data_format="xml")
 
 
 # --- errors that name the file and line -------------------------------------------------------
@@ -437,7 +437,7 @@ CALL = {
         ('{"messages": [], "messages": []}', "the key 'messages' appears twice in one object"),
         ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "lone UTF-16 surrogate"),
         ("[1, 2]", "expected a JSON object per line, got list"),
-        ({"conversation": []}, 'missing "messages"'),
+        ({"conversation": []}, 'expected {"messages": .*} \\(chat messages, .*\\); got keys conversation'),
         ({"messages": []}, '"messages" must be a non-empty list'),
         ({"messages": [U, {"role": "narrator", "content": "x"}]}, "message 2: unknown role 'narrator'"),
         ({"messages": [U, {"role": "assistant", "content": "  "}]}, "message 2: empty content"),

@@ -1,7 +1,7 @@
 """Training data and rollout prompts: SFT examples (plain text, chat JSONL, tool records)
 with an exact assistant loss mask, and prompt files for GRPO and distillation."""
 
-from retrograd.data.prompts import Prompt, load_prompts
+from retrograd.data.prompts import Prompt, Prompts, load_prompts
 from retrograd.data.sft import Example, SFTData, load_sft
 from retrograd.data.subset import evenly_spaced
 from retrograd.data.template import CHAT_TEMPLATES, ChatFormat, resolve_chat_template
@@ -11,6 +11,7 @@ __all__ = [
     "ChatFormat",
     "Example",
     "Prompt",
+    "Prompts",
     "SFTData",
     "evenly_spaced",
     "load_prompts",

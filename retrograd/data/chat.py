@@ -96,8 +96,11 @@ def tool_style(chat: ChatFormat, conv: Conversation) -> ToolStyle:
     return HERMES if conv.has_tools and not chat.native_tools else NATIVE
 
 
-def encode_conversation(chat: ChatFormat, conv: Conversation, where: str) -> tuple[list[int], list[bool]]:
-    """Token ids of the whole conversation and the per-token loss mask (True on assistant turns)."""
+def encode_conversation(
+    chat: ChatFormat, conv: Conversation, where: str, *, context_turns: int = 0
+) -> tuple[list[int], list[bool]]:
+    """Token ids of the whole conversation and the per-token loss mask (True on assistant
+    turns but the first `context_turns`, which are context: a TRL prompt's own answers)."""
     style = tool_style(chat, conv)
     messages, tools = style.messages(conv)
     text, spans = _assistant_spans(chat, messages, tools, where)
@@ -117,7 +120,8 @@ def encode_conversation(chat: ChatFormat, conv: Conversation, where: str) -> tup
                 f"{where}: assistant turn {k}: the chat template of {chat.origin} ends it without an end-of-generation "
                 "token, so the model would never learn to stop"
             )
-        mask[first : ends[-1] + 1] = [True] * (ends[-1] + 1 - first)
+        if k > context_turns:
+            mask[first : ends[-1] + 1] = [True] * (ends[-1] + 1 - first)
     return ids, mask
 
 

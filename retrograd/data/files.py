@@ -26,8 +26,6 @@ class UnsafeJSON(ValueError):
     """Syntactically JSON, but not something every reader (and our UTF-8 output) can take."""
 
 
-
-
 def read_text(path: Path) -> str:
     """The whole file as text; a leading byte-order mark is dropped."""
     try:
@@ -47,6 +45,29 @@ def read_text(path: Path) -> str:
 def first_line(text: str) -> str:
     """The first non-blank line, stripped ('' when there is none)."""
     return next((line.strip() for line in text.split("\n") if line.strip()), "")
+
+
+def json_records(path: Path, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """JSONL, or (as Alpaca's own `alpaca_data.json` is) one JSON array of objects, whose
+    records are named `file: record N`."""
+    if not first_line(text).startswith("["):
+        yield from json_lines(path, text)
+        return
+    try:
+        array = load_json(text, max_chars=None)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); expected an array of objects"
+        ) from None
+    except UnsafeJSON as e:
+        raise DataError(f"{path}: {e}") from None
+    if not isinstance(array, list):
+        raise DataError(f"{path}: expected one JSON object per line or an array of objects")
+    for number, obj in enumerate(array, 1):
+        where = f"{path}: record {number}"
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        yield where, obj
 
 
 def json_lines(path: Path, text: str) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -1,11 +1,14 @@
-"""Rollout prompts for GRPO and on-policy distillation: chat JSONL whose last message is the
-user turn the model answers, optionally with a `rubric` for the judge.
+"""Rollout prompts for GRPO and on-policy distillation, in any record shape shapes.py knows
+and any container tables.py reads: the prompt part of each record (chat messages ending with
+the user turn the model answers; TRL's prompt; a ShareGPT conversation without its final
+assistant turn; Alpaca's instruction and input), optionally with a `rubric` for the judge.
 
-Each prompt is rendered with the generation prompt (`<|im_start|>assistant\\n` and the like)
-and tokenized once. The reward program receives `Prompt.text`, the last user message
-without any template markup (notes section 3). A prompt longer than `max_tokens` is
-refused rather than dropped: the user chose ctx and max_new_tokens and should hear which
-line does not fit.
+A chat prompt is rendered with the generation prompt (`<|im_start|>assistant\\n` and the like)
+and tokenized once; a TRL plain-text prompt is tokenized as it is, with no template, and the
+model continues the text. The reward program receives `Prompt.text`, the last user message
+(or the plain prompt) without any template markup (notes section 3). A prompt longer than
+`max_tokens` is refused rather than dropped: the user chose ctx and max_new_tokens and
+should hear which line does not fit.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from retrograd.data.files import json_lines, read_text
 from retrograd.data.messages import parse_conversation
+from retrograd.data.shapes import Chat, Plain, count, shaped
+from retrograd.data.tables import EXTENSIONS, read_records
 from retrograd.data.template import ChatFormat
 from retrograd.errors import DataError
 
@@ -27,18 +31,46 @@ class Prompt:
     source: str  # `file:line`
 
 
-def load_prompts(path: str | Path, chat: ChatFormat, *, max_tokens: int | None = None) -> tuple[Prompt, ...]:
+class Prompts(tuple):
+    """The prompts of one file in file order (a plain tuple to every caller), and the
+    `description` the start-up line states: `prompts.csv (Alpaca instructions, 40 records)`."""
+
+    description: str
+
+    def __new__(cls, prompts=(), description: str = ""):
+        self = super().__new__(cls, prompts)
+        self.description = description
+        return self
+
+
+def load_prompts(path: str | Path, chat: ChatFormat, *, max_tokens: int | None = None) -> Prompts:
     path = Path(path)
-    text = read_text(path)
-    chat.require_template(path)
-    prompts = [_prompt(where, record, chat, max_tokens) for where, record in json_lines(path, text)]
+    shape, items = shaped(read_records(path, EXTENSIONS.get(path.suffix.lower(), "jsonl")), "prompt")
+    prompts = [_prompt(path, where, item, chat, max_tokens) for where, item in items]
     if not prompts:
         raise DataError(f"{path}: empty dataset (no prompts)")
-    return tuple(prompts)
+    return Prompts(prompts, f"{path.name} ({shape.name}, {count(len(prompts), 'record')})")
 
 
-def _prompt(where: str, record: dict, chat: ChatFormat, max_tokens: int | None) -> Prompt:
-    conv = parse_conversation(record, where)
+def _prompt(path: Path, where: str, item: Chat | Plain, chat: ChatFormat, max_tokens: int | None) -> Prompt:
+    record = item.extra if isinstance(item, Plain) else item.record
+    rubric = record.get("rubric")
+    if rubric is not None and (not isinstance(rubric, str) or not rubric.strip()):
+        raise DataError(f'{where}: "rubric" must be a non-empty string, got {rubric!r}')
+    if isinstance(item, Plain):
+        ids, text = chat.tokenizer.encode(item.prompt), item.prompt
+    else:
+        ids, text = _chat_prompt(path, where, item, chat)
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise DataError(
+            f"{where}: the prompt is {len(ids)} tokens, more than the {max_tokens} that leave room to answer"
+        )
+    return Prompt(tuple(ids), text, rubric, where)
+
+
+def _chat_prompt(path: Path, where: str, item: Chat, chat: ChatFormat) -> tuple[list[int], str]:
+    chat.require_template(path)
+    conv = parse_conversation(item.record, where)
     if conv.has_tools:
         raise DataError(
             f"{where}: tools and tool messages belong in SFT tool records; a prompt has system, user and assistant messages"
@@ -48,13 +80,6 @@ def _prompt(where: str, record: dict, chat: ChatFormat, max_tokens: int | None) 
         raise DataError(
             f"{where}: does not end with a user message (the last is {last['role']}); the model answers the last user turn"
         )
-    rubric = record.get("rubric")
-    if rubric is not None and (not isinstance(rubric, str) or not rubric.strip()):
-        raise DataError(f'{where}: "rubric" must be a non-empty string, got {rubric!r}')
     rendered = chat.render(list(conv.messages), add_generation_prompt=True, where=where)
     ids, _ = chat.tokenize(rendered, where)
-    if max_tokens is not None and len(ids) > max_tokens:
-        raise DataError(
-            f"{where}: the prompt is {len(ids)} tokens, more than the {max_tokens} that leave room to answer"
-        )
-    return Prompt(tuple(ids), last["content"], rubric, where)
+    return ids, last["content"]
