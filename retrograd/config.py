@@ -22,6 +22,7 @@ from typing import Any
 import tomli
 
 from retrograd.errors import ConfigError
+from retrograd.gguf.merge import MERGE_TYPES
 
 _REQUIRED = object()
 section = dataclass(frozen=True, kw_only=True)  # one TOML table; required keys may follow defaulted ones
@@ -56,8 +57,14 @@ class ModelSection:
 
 @section
 class OutputSection:
-    path: Path = key()
-    kind: str = key("adapter", choices=("adapter",))
+    path: Path = key()  # the adapter, or with kind = "model" the merged model
+    kind: str = key("adapter", choices=("adapter", "model"))
+    merge_type: str = key("f16", choices=tuple(MERGE_TYPES))  # kind = "model": type of the merged weights (retrograd merge --type)
+
+    @property
+    def adapter_path(self) -> Path:
+        """Where the adapter goes: `path` itself, or beside the merged model as NAME.lora.gguf."""
+        return self.path if self.kind == "adapter" else self.path.with_suffix(".lora.gguf")
 
 
 @section
@@ -103,7 +110,7 @@ class TrainingSection:
 @section
 class SFTSection:
     data: Path = key()
-    data_format: str | None = key(None, choices=("text", "txt", "jsonl", "chat", "chat-jsonl"))
+    data_format: str | None = key(None, choices=("text", "txt", "jsonl", "json", "chat", "chat-jsonl", "csv", "parquet"))
     shuffle: bool = key(True)
     template_variables: dict = key({})
 
@@ -389,6 +396,8 @@ def parse_config(doc: dict, path: Path) -> Config:
 
 def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[str]) -> None:
     training: TrainingSection = s["training"]
+    if "output.merge_type" in explicit and s["output"].kind != "model":
+        problems.append("output.merge_type applies to kind = 'model' (the merged model), not kind = 'adapter'")
     if algorithm == "sft":
         for k in ROLLOUT_ONLY_TRAINING_KEYS:
             if f"training.{k}" in explicit:

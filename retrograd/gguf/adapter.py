@@ -22,7 +22,6 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
 
 from retrograd.errors import GGUFError
 from retrograd.gguf.file import GGUFFile
@@ -40,6 +39,8 @@ class LoRAWeights:
 
 def adapter_tensors(adapter) -> dict[str, LoRAWeights]:
     """An in-memory retrograd.lora.Adapter -> numpy float32 tensors by base weight name."""
+    import torch  # here: `retrograd merge` reads adapters in a process that never loads torch (200 MB)
+
     out = {}
     for name, layer in adapter.layers.items():
         with torch.no_grad():
@@ -64,6 +65,31 @@ def check_shapes(tensors: dict[str, LoRAWeights], base_shapes: dict[str, tuple[i
     if len(ranks) > 1:
         raise GGUFError(f"adapter weights have different ranks {sorted(ranks)}")
     return ranks.pop() if ranks else 0
+
+
+def check_fits(loaded: AdapterFile, path: Path, base_name: str, arch: str, base_shapes: dict[str, tuple[int, ...]]) -> int:
+    """Refuse, in one line naming both files, an adapter not made for this base: another
+    architecture, no LoRA pair, or a pair that does not fit its weight [n_out, n_in] in
+    base_shapes. Returns the rank."""
+    if loaded.arch != arch:
+        raise GGUFError(f"adapter {path}: made for architecture {loaded.arch!r}, but the base model {base_name} is {arch!r}")
+    if not loaded.tensors:
+        raise GGUFError(f"adapter {path}: holds no LoRA tensors")
+    try:
+        return check_shapes(loaded.tensors, base_shapes)
+    except GGUFError as e:
+        raise GGUFError(f"adapter {path} does not fit the base model {base_name}: {e}") from None
+
+
+def read_fitting_adapter(path: Path, base: GGUFFile) -> AdapterFile:
+    """The adapter at `path`, checked against the base GGUF before llama.cpp (which crashes
+    on shapes that do not fit) or a merge sees it."""
+    if not path.is_file():
+        raise GGUFError(f"adapter {path}: no such file")
+    loaded = read_adapter(path)
+    shapes = {name: tuple(t.shape) for name, t in base.tensors.items() if len(t.shape) == 2}
+    check_fits(loaded, path, base.path.name, base.get_str("general.architecture"), shapes)
+    return loaded
 
 
 def write_adapter(

@@ -64,6 +64,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # torch order (rows first), the reverse of GGUF's ne
     n_bytes: int
     data: np.ndarray  # a read-only view into the memory-mapped file
+    offset: int  # where the data starts in the file, for reading it without the map
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ class GGUFFile:
             data = raw.view(np.float16).reshape(shape)
         else:  # block types (and BF16): rows of bytes
             data = raw.reshape(*shape[:-1], shape[-1] // block_size * type_size)
-        return TensorInfo(name, qtype, shape, n_bytes, data)
+        return TensorInfo(name, qtype, shape, n_bytes, data, start)
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self._kv.get(key)
@@ -282,6 +283,11 @@ class GGUFFile:
         if (field.etype if array else field.vtype) not in vtypes:
             raise GGUFError(f"{self.path}: metadata {key} is {field.describe()}, expected {expected}")
         return self._decode(field)
+
+    def value_type(self, key: str) -> tuple[GGUFValueType, GGUFValueType | None]:
+        """(type, element type of an array or None): what re-writing the value needs."""
+        field = self._kv[key]
+        return field.vtype, field.etype
 
     def array_length(self, key: str) -> int | None:
         field = self._kv.get(key)

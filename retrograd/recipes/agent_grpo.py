@@ -217,7 +217,7 @@ class AgentLoop(RecipeLoop):
                         break
             finally:
                 self.reporter.finish()
-        out = self.setup.export(cfg.output.path)
+        out = self.setup.write_output()
         return AgentResult(
             output=out, updates_done=self.progress["update"], steps=self.progress["global_step"],
             train_loss=self.totals.last_loss, tokens_per_second=self.totals.tokens_per_second,

@@ -20,6 +20,7 @@ from retrograd.device import resolve_device
 from retrograd.errors import ConfigError, DataError, DeviceError, TrainingDiverged
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
+from retrograd.gguf.merge import check_out, merge
 from retrograd.gguf.spec import read_spec
 from retrograd.kernels.frozen import dense_budget, keep_dense
 from retrograd.lora import Adapter, attach_lora
@@ -56,6 +57,7 @@ class Setup:
     precision: str  # resolved compute dtype name
     timings: dict = field(default_factory=dict)  # start-up phase -> (seconds, Δ host RSS bytes)
     detail: Callable[[str], None] = field(default=lambda text: None)  # run.verbose's lines; reporter.message when on
+    message: Callable[[str], None] = field(default=lambda text: None)  # lines the run always shows (reporter.message)
 
     def diverged(self, reason: str) -> TrainingDiverged:
         """The one way every recipe stops on a NaN loss or a runaway KL: the reason, and
@@ -86,16 +88,30 @@ class Setup:
             dtype=self.cfg.lora.dtype,
         )
 
+    def write_output(self) -> Path:
+        """What [output] asks for at the end of the run: the adapter at output.path, or with
+        kind = "model" the base with the adapter merged in there and the adapter beside it."""
+        out = self.cfg.output
+        adapter = self.export(out.adapter_path)
+        if out.kind == "adapter":
+            return adapter
+        self.message(f"adapter: {adapter}")
+        merge(self.model.path, adapter, out.path, out.merge_type)
+        self.message(f"merged model ({out.merge_type} weights): {out.path}")
+        return out.path
 
-def check_output(path: Path) -> None:
-    """Fail before any work when the adapter could not be written where the config says."""
-    folder = path.parent
+
+def check_output(cfg: Config) -> None:
+    """Fail before any work when the output could not be written where the config says."""
+    folder = cfg.output.path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
             pass
     except OSError as e:
         raise ConfigError(f"output.path: folder {folder} is not writable ({e.strerror})") from None
+    if cfg.output.kind == "model":
+        check_out(cfg.output.path, {"base model": cfg.model.path or default_model_path()}, option="output.path")
 
 
 def open_chat(cfg: Config) -> ChatFormat:
@@ -145,7 +161,7 @@ def load_base(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Base:
 
 def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
     """Everything a training run needs: the base, the [lora] adapter, checkpointing settings."""
-    check_output(cfg.output.path)
+    check_output(cfg)
     t = cfg.training
     base = load_base(cfg, reporter, chat)
     model = base.model
@@ -157,7 +173,7 @@ def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
     if cfg.lora.init_adapter is not None:
         load_adapter_weights(adapter, cfg.lora.init_adapter)
     timings = base.timings | {"LoRA creation": (time.perf_counter() - t0, rss_bytes() - r0)}
-    setup = Setup(cfg, base.device, model, adapter, chat, base.precision, timings)
+    setup = Setup(cfg, base.device, model, adapter, chat, base.precision, timings, message=reporter.message)
     if cfg.run.verbose:
         setup.detail = reporter.message
     return setup

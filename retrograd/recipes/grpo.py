@@ -125,6 +125,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
         chat = open_chat(cfg)
         budget = t.ctx - g.sampling.max_new_tokens
         prompts = load_prompts(g.prompts, chat, max_tokens=budget)
+        reporter.message(f"prompts: {prompts.description}")
         eval_prompts = ()
         if cfg.evaluation:
             eval_prompts = evenly_spaced(load_prompts(cfg.evaluation.data, chat, max_tokens=budget), cfg.evaluation.max_examples)
@@ -227,7 +228,7 @@ class GRPOLoop(RecipeLoop):
                         break
             finally:
                 self.reporter.finish()
-        out = self.setup.export(cfg.output.path)
+        out = self.setup.write_output()
         return GRPOResult(
             output=out,
             updates_done=self.progress["update"],

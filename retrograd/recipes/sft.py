@@ -78,6 +78,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     t = cfg.training
     chat = open_chat(cfg)
     data = load_sft(cfg.sft.data, chat, ctx=t.ctx, data_format=cfg.sft.data_format)
+    reporter.message(f"data: {data.description}")
     if data.dropped:
         reporter.message(f"dropped {len(data.dropped)} example(s) longer than ctx={t.ctx} (first: {data.dropped[0]})")
     examples = data.examples
@@ -111,7 +112,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
 
     def save(name: str) -> Path:
         path = save_state(setup, optimizer, progress, sig, name)
-        reporter.message(f"checkpoint {path}")
+        reporter.checkpoint(path)
         return path
 
     reporter.start(total_steps, ["epoch", "step", "train_loss", "eval_loss", "lr", "tok/s"], "steps")
@@ -176,7 +177,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     finally:
         reporter.finish()
         metrics.close()
-    out = setup.export(cfg.output.path)
+    out = setup.write_output()
     return SFTResult(
         output=out,
         steps=progress["global_step"],

@@ -282,7 +282,7 @@ class OfflineLoop(RecipeLoop):
                         break
             finally:
                 self.reporter.finish()
-        out = self.setup.export(cfg.output.path)
+        out = self.setup.write_output()
         return DistillResult(
             out,
             "topk_offline",

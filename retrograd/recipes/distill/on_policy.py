@@ -98,6 +98,7 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> DistillResult:
         raise ConfigError(f"distill.topk = {d.topk} is more than the {chat.tokenizer.n_vocab}-token vocabulary")
     budget = t.ctx - d.sampling.max_new_tokens
     prompts = load_prompts(d.prompts, chat, max_tokens=budget)
+    reporter.message(f"prompts: {prompts.description}")
     t_chat = teacher_chat(teacher_path, chat)
     teacher_prompts = load_prompts(d.prompts, t_chat, max_tokens=budget)
     eval_prompts = eval_teacher = ()
@@ -202,7 +203,7 @@ class OnPolicyLoop(RecipeLoop):
                         break
             finally:
                 self.reporter.finish()
-        out = self.setup.export(cfg.output.path)
+        out = self.setup.write_output()
         return DistillResult(
             out,
             "on_policy",
