@@ -1,5 +1,103 @@
-"""`retrograd serve`."""
+"""`retrograd serve`: the base and its adapters behind an OpenAI-compatible HTTP API
+(retrograd/serve.py). The port is bound before the model loads, so a port in use costs
+nothing but one line."""
 
 from __future__ import annotations
 
-from retrograd.cli import app  # noqa: F401
+import errno
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from retrograd.cli import app
+from retrograd.cli.chat import ChatTemplateOpt, CtxOpt, ThreadsOpt
+from retrograd.cli.options import ModelOpt
+from retrograd.errors import ConfigError
+
+
+@app.command(
+    epilog="Examples: retrograd serve --adapter out/adapter.gguf | "
+    "retrograd serve --model base.gguf --adapter tuned=out/adapter.gguf --adapter old=v1.gguf --port 8000"
+)
+def serve(
+    model: ModelOpt = None,
+    adapter: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--adapter",
+            "-a",
+            metavar="[NAME=]PATH",
+            help="LoRA GGUF served as model NAME (default: the file's stem); repeatable.",
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port (0: any free one).")] = 8080,
+    chat_template: ChatTemplateOpt = None,
+    ctx: CtxOpt = 4096,
+    threads: ThreadsOpt = 0,
+) -> None:
+    """Serve the model as `base` and each adapter by name at /v1 (chat/completions, completions, models)."""
+    import uvicorn
+
+    from retrograd.bundled import default_model_path
+    from retrograd.inference import Inference
+    from retrograd.serve import create_app
+
+    adapters = named_adapters(adapter or [])
+    sock = bind(host, port)
+    with (
+        sock,
+        Inference(
+            model or default_model_path(), adapters, n_ctx=ctx, n_threads=threads, chat_template=chat_template
+        ) as inference,
+    ):
+        bound_host, bound_port = sock.getsockname()[:2]
+        url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+        print(f"serving {', '.join(inference.names)} at http://{url_host}:{bound_port}/v1 (Ctrl-C stops)", flush=True)
+        api = create_app(inference)
+        server = uvicorn.Server(uvicorn.Config(api, log_level="warning", timeout_graceful_shutdown=5))
+        try:
+            server.run(sockets=[sock])
+        finally:
+            api.state.closing.set()
+            with api.state.lock:  # a generation still running in a worker thread ends before the model is freed
+                pass
+
+
+def named_adapters(args: list[str]) -> dict[str, Path]:
+    """NAME=PATH or PATH (named by its stem) -> {name: path}; names are unique."""
+    from retrograd.inference import BASE
+
+    named: dict[str, Path] = {}
+    for arg in args:
+        name, sep, rest = arg.partition("=")
+        if not (sep and name and rest) or Path(arg).exists():
+            name, path = Path(arg).stem, Path(arg)
+        else:
+            path = Path(rest)
+        if name == BASE or name in named:
+            raise ConfigError(
+                f"--adapter {arg}: the model name {name!r} is {'the base' if name == BASE else 'taken'}; name it with NAME=PATH"
+            )
+        named[name] = path
+    return named
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or one line saying why not."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: not an address this machine can listen on ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise ConfigError(f"--port {port}: {host}:{port} {why}") from None
+    sock.listen(2048)  # connections wait in the backlog while the model loads, not refused
+    return sock

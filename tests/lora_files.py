@@ -1,0 +1,28 @@
+"""LoRA GGUF files for tests, written straight from numpy (no torch model, no training):
+random A and B on every attention and FFN weight of a base GGUF, large enough to change
+what the model says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from retrograd.gguf.adapter import LoRAWeights, write_adapter
+from retrograd.gguf.file import GGUFFile
+
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def random_adapter(model: Path, path: Path, *, seed: int = 0, rank: int = 4, scale: float = 0.05) -> Path:
+    base = GGUFFile(model)
+    shapes = {name: t.shape for name, t in base.tensors.items()}
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, (n_out, n_in) in ((n, s) for n, s in shapes.items() if n.split(".")[-2] in TARGETS):
+        a = rng.standard_normal((rank, n_in), dtype=np.float32) / np.sqrt(n_in)
+        b = rng.standard_normal((n_out, rank), dtype=np.float32) * scale
+        tensors[name] = LoRAWeights(a, b)
+    return write_adapter(
+        path, tensors, arch=base.get_str("general.architecture"), alpha=float(rank), base_shapes=shapes
+    )
