@@ -18,6 +18,9 @@ student's most likely token is the teacher's, and the student's perplexity. topk
 configs read SFT-style conversations; on_policy configs read prompts and measure on one
 answer per prompt sampled from the teacher (fixed seeds), so base and adapter see the same
 tokens. The teacher is scored first and closed before the student loads.
+
+GRPO and agent_grpo: the reward of sampled answers on held-out prompts or scenarios, see
+retrograd.bench_rollouts.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from retrograd.config import Config
 from retrograd.data import ChatFormat, Example, load_prompts, load_sft
 from retrograd.device import resolve_device
 from retrograd.errors import ConfigError, DataError, GGUFError
-from retrograd.gguf.adapter import AdapterFile, check_shapes, read_adapter
+from retrograd.gguf.adapter import AdapterFile, check_fits, read_adapter
 from retrograd.lora import Adapter, attach_lora, frozen_linears
 from retrograd.model.base import BaseModel
 from retrograd.recipes.common import Setup, compute_dtype, load_adapter_weights, load_base, open_chat
@@ -59,6 +62,8 @@ class BenchOptions:
     data: Path | None = None  # None: [evaluation].data, else [sft].data
     adapter: Path | None = None  # None: [output].path, or the base alone when that file is absent
     limit: int | None = None  # the first N examples only
+    samples: int | None = None  # completions per prompt (grpo, agent_grpo); None: DEFAULT_SAMPLES
+    success_at: float | None = None  # grpo: a completion succeeds when its reward reaches this; None: SUCCESS_AT
 
 
 # ----------------------------------------------------------------------------- results
@@ -106,16 +111,32 @@ class Row:
 
 
 @dataclass(frozen=True)
+class ItemRow:
+    """One line of the per-item table (--verbose): an example or prompt, base and adapter."""
+
+    name: str
+    base: float
+    adapter: float | None
+
+    @property
+    def delta(self) -> float | None:
+        return None if self.adapter is None else self.adapter - self.base
+
+
+@dataclass(frozen=True)
 class Verdict:
     label: str  # improved, degraded or unchanged (mean change within ±tolerance)
     metric: str  # what the verdict reads, e.g. "mean logprob"
     mean_delta: float
-    loss_percent: float | None  # relative change of the loss
+    loss_percent: float | None  # relative change of the overall figure named by percent_of
     improved: int
     degraded: int
     unchanged: int
     changes: Distribution  # of the per-example deltas: best = high, worst = low
     tolerance: float
+    unit: str = "nats/token"  # of the deltas ("" for a reward)
+    percent_of: str = "loss"
+    items: str = "examples"  # what was compared one by one
 
     @property
     def total(self) -> int:
@@ -123,9 +144,10 @@ class Verdict:
 
 
 def make_verdict(
-    deltas: np.ndarray, metric: str, loss_percent: float | None, tolerance: float = UNCHANGED_NATS
+    deltas: np.ndarray, metric: str, loss_percent: float | None, tolerance: float = UNCHANGED_NATS, **naming: str
 ) -> Verdict:
-    """Per-example deltas (positive = better) -> counts and the overall call."""
+    """Per-example deltas (positive = better) -> counts and the overall call; `naming` sets
+    Verdict's unit, percent_of and items."""
     mean = float(deltas.mean())
     label = "improved" if mean > tolerance else "degraded" if mean < -tolerance else "unchanged"
     return Verdict(
@@ -138,15 +160,21 @@ def make_verdict(
         unchanged=int((np.abs(deltas) <= tolerance).sum()),
         changes=Distribution.of(deltas),
         tolerance=tolerance,
+        **naming,
     )
 
 
 class BenchResult(Protocol):
-    """What every algorithm's bench returns: table rows, and a verdict when an adapter ran."""
+    """What every algorithm's bench returns: table rows, a verdict when an adapter ran, and
+    the per-item table (item_label names its first column)."""
+
+    item_label: str
 
     def rows(self) -> list[Row]: ...
 
     def verdict(self) -> Verdict | None: ...
+
+    def items(self) -> list[ItemRow]: ...
 
 
 @dataclass(frozen=True)
@@ -175,6 +203,8 @@ class SFTBench:
     dropped: int  # records longer than training.ctx, left out
     base: SFTPass
     adapter: SFTPass | None
+    sources: tuple[str, ...] = ()  # each example's `file:line`
+    item_label = "example (mean logprob)"
 
     @property
     def examples(self) -> int:
@@ -204,26 +234,36 @@ class SFTBench:
         deltas = np.asarray(self.adapter.logprobs) - np.asarray(self.base.logprobs)  # [examples]
         return make_verdict(deltas, "mean logprob", percent_change(self.base.loss, self.adapter.loss))
 
+    def items(self) -> list[ItemRow]:
+        adapter = self.adapter.logprobs if self.adapter is not None else (None,) * len(self.sources)
+        return [ItemRow(*row) for row in zip(self.sources, self.base.logprobs, adapter)]
+
 
 # ----------------------------------------------------------------------------- running
 
 
 def run(cfg: Config, reporter: Reporter, options: BenchOptions = BenchOptions()) -> BenchResult:
     """Bench `cfg` as its [run].algorithm says."""
-    bench = BENCHES.get(cfg.run.algorithm)
+    from retrograd.bench_rollouts import ROLLOUT_BENCHES  # here: that module builds on this one's results and inputs
+
+    benches = BENCHES | ROLLOUT_BENCHES
+    bench = benches.get(cfg.run.algorithm)
     if bench is None:
-        raise ConfigError(
-            f"{cfg.path}: run.algorithm = {cfg.run.algorithm!r}: bench supports sft and distill configs for now; "
-            "grpo and agent_grpo benches come later"
-        )
+        raise ConfigError(f"{cfg.path}: run.algorithm = {cfg.run.algorithm!r}: bench supports {', '.join(benches)} configs")
     if options.limit is not None and options.limit < 1:
         raise ConfigError(f"--limit {options.limit}: expected a positive number of examples")
+    if options.samples is not None and options.samples < 1:
+        raise ConfigError(f"--samples {options.samples}: expected a positive number of completions per prompt")
+    if cfg.run.algorithm not in ROLLOUT_BENCHES:
+        for flag, value in (("--samples", options.samples), ("--success-at", options.success_at)):
+            if value is not None:
+                raise ConfigError(f"{flag}: applies to {' and '.join(ROLLOUT_BENCHES)} configs, not {cfg.run.algorithm}")
     return bench(cfg, reporter, options)
 
 
 def bench_sft(cfg: Config, reporter: Reporter, options: BenchOptions) -> SFTBench:
     data_path = _data_path(cfg, options)
-    adapter_path = _adapter_path(cfg, options)
+    adapter_path = resolve_adapter(cfg, options)
     adapter_file = read_adapter(adapter_path) if adapter_path is not None else None
     t = cfg.training
     chat = open_chat(cfg)
@@ -239,7 +279,7 @@ def bench_sft(cfg: Config, reporter: Reporter, options: BenchOptions) -> SFTBenc
     with setup.adapter.disabled():
         base = _sft_pass(setup, examples, logprob_options)
     adapter = _sft_pass(setup, examples, logprob_options) if adapter_path is not None else None
-    return SFTBench(data_path, adapter_path, len(data.dropped), base, adapter)
+    return SFTBench(data_path, adapter_path, len(data.dropped), base, adapter, tuple(e.source for e in examples))
 
 
 def _sft_pass(setup: Setup, examples: tuple[Example, ...], options: LogprobOptions) -> SFTPass:
@@ -294,6 +334,8 @@ class DistillBench:
     teacher_topk_mass: float  # mean probability the teacher's top-k holds
     base: DistillPass
     adapter: DistillPass | None
+    sources: tuple[str, ...] = ()  # each example's `file:line`
+    item_label = "example (KL to teacher)"
 
     def rows(self) -> list[Row]:
         def row(group: str, metric: str, of: Callable[[DistillPass], float], digits: int, better: int = 0) -> Row:
@@ -321,11 +363,15 @@ class DistillBench:
         deltas = np.asarray(self.base.kl) - np.asarray(self.adapter.kl)  # [examples], positive = closer to the teacher
         return make_verdict(deltas, "KL to teacher", percent_change(self.base.kl_mean, self.adapter.kl_mean))
 
+    def items(self) -> list[ItemRow]:
+        adapter = self.adapter.kl if self.adapter is not None else (None,) * len(self.sources)
+        return [ItemRow(*row) for row in zip(self.sources, self.base.kl, adapter)]
+
 
 def bench_distill(cfg: Config, reporter: Reporter, options: BenchOptions) -> DistillBench:
     d, t = cfg.distill, cfg.training
     data_path = _distill_data_path(cfg, options)
-    adapter_path = _adapter_path(cfg, options)
+    adapter_path = resolve_adapter(cfg, options)
     adapter_file = read_adapter(adapter_path) if adapter_path is not None else None
     teacher_path = require_teacher(cfg)
     chat = open_chat(cfg)
@@ -348,7 +394,7 @@ def bench_distill(cfg: Config, reporter: Reporter, options: BenchOptions) -> Dis
     teacher_nll = -torch.cat([s.logprobs for s in scores]).double()
     mass = torch.cat([s.topk_logprobs for s in scores]).double().exp().sum(-1)
     return DistillBench(data_path, adapter_path, teacher_path, teacher_nll.numel(), math.exp(min(teacher_nll.mean().item(), 700.0)),
-                        mass.mean().item(), base, adapter)
+                        mass.mean().item(), base, adapter, tuple(e.source for e in examples))
 
 
 def _conversations(cfg: Config, chat: ChatFormat, t_chat: ChatFormat, path: Path, limit: int | None, reporter: Reporter):
@@ -445,10 +491,10 @@ def _distill_data_path(cfg: Config, options: BenchOptions) -> Path:
     return path
 
 
-def _adapter_path(cfg: Config, options: BenchOptions) -> Path | None:
+def resolve_adapter(cfg: Config, options: BenchOptions) -> Path | None:
     """The explicit --adapter must exist; the default [output].path may not (base only)."""
     if options.adapter is None:
-        return cfg.output.path if cfg.output.path.is_file() else None
+        return cfg.output.adapter_path if cfg.output.adapter_path.is_file() else None
     path = Path(options.adapter).resolve()
     if not path.is_file():
         raise DataError(f"--adapter {path}: no such file")
@@ -462,7 +508,7 @@ def _load(
     base = load_base(cfg, reporter, chat)
     model, device, precision = base.model, base.device, base.precision
     if adapter_file is None:
-        reporter.message(f"no adapter at {cfg.output.path}: measuring the base model alone")
+        reporter.message(f"no adapter at {cfg.output.adapter_path}: measuring the base model alone")
         adapter = Adapter({}, 0, 0.0)
     else:
         adapter = _attach_adapter(model, adapter_file, adapter_path)
@@ -474,21 +520,12 @@ def _load(
 
 def _attach_adapter(model: BaseModel, loaded: AdapterFile, path: Path) -> Adapter:
     """A LoRA shaped as the file says (targets, rank, alpha), holding its weights."""
-    if loaded.arch != model.spec.arch:
-        raise GGUFError(
-            f"adapter {path}: made for architecture {loaded.arch!r}, but the base model {model.path.name} is {model.spec.arch!r}"
-        )
-    if not loaded.tensors:
-        raise GGUFError(f"adapter {path}: holds no LoRA tensors")
-    if loaded.alpha <= 0:
-        raise GGUFError(f"adapter {path}: adapter.lora.alpha = {loaded.alpha:g}; expected a positive alpha")
     base_shapes = {
         name: (lin.out_features, lin.in_features) for name, (_, _, lin) in frozen_linears(model.transformer).items()
     }
-    try:
-        check_shapes(loaded.tensors, base_shapes)
-    except GGUFError as e:
-        raise GGUFError(f"adapter {path} does not fit the base model {model.path.name}: {e}") from None
+    check_fits(loaded, path, model.path.name, model.spec.arch, base_shapes)
+    if loaded.alpha <= 0:  # torch's LoRA scales by alpha / rank (llama.cpp reads 0 as 1)
+        raise GGUFError(f"adapter {path}: adapter.lora.alpha = {loaded.alpha:g}; expected a positive alpha")
     adapter = attach_lora(model.transformer, list(loaded.tensors), loaded.rank, loaded.alpha, seed=0)
     load_adapter_weights(adapter, path)
     return adapter

@@ -129,7 +129,7 @@ def test_base_alone_when_the_output_adapter_is_absent(trained, measured, tiny_mo
 def test_cli_prints_the_table_and_verdict_for_other_data(trained):
     folder, cfg, _ = trained
     r = subprocess.run(
-        [*RETROGRAD, "bench", str(cfg), "--data", "held_out.jsonl", "--limit", "5"],
+        [*RETROGRAD, "bench", str(cfg), "--data", "held_out.jsonl", "--limit", "5", "--verbose"],
         cwd=folder,
         capture_output=True,
         check=False,
@@ -138,6 +138,11 @@ def test_cli_prints_the_table_and_verdict_for_other_data(trained):
     assert r.returncode == 0, r.stderr
     assert f"5 example(s) from {folder / 'held_out.jsonl'}" in r.stdout
     lines = r.stdout.splitlines()
+    per_example = next(i for i, line in enumerate(lines) if "example (mean logprob)" in line)
+    cells = [[c.strip() for c in line.strip("│ ").split("│")] for line in lines[per_example : per_example + 7]]
+    assert cells[0] == ["example (mean logprob)", "base", "adapter", "Δ"]
+    assert [c[0] for c in cells[2:]] == [f"{folder / 'held_out.jsonl'}:{n}" for n in range(1, 6)]
+    assert all(float(c[3]) == pytest.approx(float(c[2]) - float(c[1]), abs=2e-4) for c in cells[2:])
     header = next(line for line in lines if "metric" in line)
     assert [c.strip() for c in header.strip("│ ").split("│")] == ["metric", "base", "adapter", "Δ", "Δ%"]
     examples_row = next(line for line in lines if "  examples " in line)
@@ -199,7 +204,7 @@ max_new_tokens = 8
         ("not an adapter", "not a LoRA adapter"),
         ("other architecture", "made for architecture 'qwen3', but the base model tiny-llama.gguf is 'llama'"),
         ("shapes do not fit", "does not fit the base model tiny-llama.gguf: adapter weight blk.0.attn_q.weight"),
-        ("grpo config", "run.algorithm = 'grpo': bench supports sft and distill configs for now; grpo"),
+        ("grpo config without held-out prompts", "grpo.toml: no held-out prompts to bench on"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(trained, tiny_model, tmp_path, case, needle):
@@ -214,7 +219,7 @@ def test_bad_input_is_one_line_and_exit_2(trained, tiny_model, tmp_path, case, n
             "--adapter",
             rewritten_adapter(adapter, tmp_path / "a.gguf", squeeze="blk.0.attn_q.weight"),
         ],
-        "grpo config": lambda: [write_grpo_config(tmp_path, tiny_model("llama"))],
+        "grpo config without held-out prompts": lambda: [write_grpo_config(tmp_path, tiny_model("llama"))],
     }[case]()
     r = subprocess.run([*RETROGRAD, "bench", *args], capture_output=True, text=True, check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)

@@ -1,5 +1,6 @@
 """`retrograd bench CONFIG.toml`: base versus adapter on the same examples, as a table and
-a verdict (the measuring is retrograd.bench; this only formats)."""
+a verdict, and with --verbose one line per example or prompt (the measuring is
+retrograd.bench and retrograd.bench_rollouts; this only formats)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from retrograd.cli.options import ModelOpt
 from retrograd.cli.progress import ConsoleReporter
 
 if TYPE_CHECKING:
-    from retrograd.bench import Row, Verdict
+    from retrograd.bench import ItemRow, Row, Verdict
 
 
 @app.command(
     context_settings={"allow_extra_args": False},
-    epilog="Examples: retrograd bench run.toml | retrograd bench run.toml --adapter out/best.gguf --data held_out.jsonl --limit 200",
+    epilog=(
+        "Examples: retrograd bench run.toml | retrograd bench run.toml --adapter out/best.gguf --data held_out.jsonl --limit 200"
+        " | retrograd bench grpo.toml --samples 8 --success-at 0.5 --verbose"
+    ),
 )
 def bench(
     config: Annotated[Path, typer.Argument(help="The run's TOML file.")],
@@ -34,9 +38,22 @@ def bench(
     ] = None,
     data: Annotated[
         Path | None,
-        typer.Option("--data", help="Examples to measure (default: \\[evaluation].data, else \\[sft].data)."),
+        typer.Option(
+            "--data",
+            help="Examples to measure (default: \\[evaluation].data, else \\[sft].data; grpo and agent_grpo: held-out "
+            "prompts or scenarios, \\[evaluation].data by default).",
+        ),
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Measure only the first N examples.")] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option("--samples", min=1, help="grpo, agent_grpo: completions per prompt, same seeds for base and adapter (default 4)."),
+    ] = None,
+    success_at: Annotated[
+        float | None,
+        typer.Option("--success-at", help="grpo: a completion succeeds when its reward is at least this (default 1)."),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Also print one line per example or prompt.")] = False,
     model: ModelOpt = None,
     device: Annotated[
         str | None, typer.Option("--device", help="auto, cpu or gpu (overrides \\[model].device).")
@@ -54,7 +71,10 @@ def bench(
     reporter.message("bench")
     reporter.message(f"  config: {cfg.path}")
     reporter.message(f"  model:  {cfg.model.path or 'bundled SmolLM2-135M-Instruct Q4_1'}")
-    result = benches.run(cfg, reporter, benches.BenchOptions(data=data, adapter=adapter, limit=limit))
+    options = benches.BenchOptions(data=data, adapter=adapter, limit=limit, samples=samples, success_at=success_at)
+    result = benches.run(cfg, reporter, options)
+    if verbose:
+        console.print(item_table(result.item_label, result.items()))
     console.print(table(result.rows()))
     verdict = result.verdict()
     if verdict is not None:
@@ -87,15 +107,30 @@ def table(rows: list[Row]) -> Table:
     return t
 
 
+def item_table(label: str, items: list[ItemRow]) -> Table:
+    """One line per example or prompt: base, adapter and Δ, coloured like the main table."""
+    with_adapter = bool(items) and items[0].adapter is not None
+    t = Table(box=box.ROUNDED)
+    for name in (label, "base", "adapter", "Δ") if with_adapter else (label, "base"):
+        t.add_column(name, justify="left" if name == label else "right")
+    for item in items:
+        cells = [item.name, f"{item.base:.4f}"]
+        if with_adapter:
+            cells += [f"{item.adapter:.4f}", f"[{_colour(item.delta)}]{item.delta:+.4f}[/]"]
+        t.add_row(*cells)
+    return t
+
+
 def verdict_lines(v: Verdict) -> list[str]:
     c = v.changes
-    loss = "" if v.loss_percent is None else f"   loss {v.loss_percent:+.2f}%"
+    unit = f" {v.unit}" if v.unit else ""
+    overall = "" if v.loss_percent is None else f"   {v.percent_of} {v.loss_percent:+.2f}%"
     share = 100.0 * v.improved / v.total
     return [
-        f"verdict    {v.label}   {v.metric} Δ{v.mean_delta:+.4f} nats/token{loss}",
+        f"verdict    {v.label}   {v.metric} Δ{v.mean_delta:+.4f}{unit}{overall}",
         (
-            f"examples   ↑ {v.improved}/{v.total} improved ({share:.1f}%)  ↓ {v.degraded} degraded  "
-            f"= {v.unchanged} unchanged (|Δ| ≤ {v.tolerance:g} nats/token)"
+            f"{v.items:<10} ↑ {v.improved}/{v.total} improved ({share:.1f}%)  ↓ {v.degraded} degraded  "
+            f"= {v.unchanged} unchanged (|Δ| ≤ {v.tolerance:g}{unit})"
         ),
         f"change/ex  mean Δ{c.mean:+.4f}  stddev {c.stddev:.4f}  best Δ{c.high:+.4f}  worst Δ{c.low:+.4f}",
     ]
