@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import retrograd  # noqa: F401  (before torch: sets OMP_WAIT_POLICY before torch loads its OpenMP runtime)
+
+# isort: split
+import browser
 import pytest
 import sandboxes
 import torch
 from gguf_factory import write_f32_copy, write_tiny_model
 
-import retrograd  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads its OpenMP runtime)
 from retrograd.bundled import default_model_path, gemma3_path
 
 torch.set_num_threads(2)
@@ -74,6 +77,16 @@ def pytest_runtest_setup(item):
     kind = _sandbox_kind(item)
     if kind is not None:
         sandboxes.require(kind)
+    if item.get_closest_marker("browser") and browser.chromium() is None:
+        _unavailable("chromium is not installed (apt-get install -y chromium)")
+
+
+def _unavailable(reason: str):
+    """Skip on a developer's machine; under CI=true, where .ci/run installs what the marked
+    tests need, fail instead."""
+    if sandboxes.in_ci():
+        pytest.fail(f"CI=true but {reason}: the marked tests must run in CI", pytrace=False)
+    pytest.skip(reason)
 
 
 def pytest_collection_finish(session):

@@ -9,6 +9,7 @@ import pytest
 
 from retrograd.config import parse_config
 from retrograd.errors import ConfigError
+from retrograd.training.report import SilentReporter
 
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 SAMPLING = {"max_new_tokens": 8}
@@ -99,7 +100,7 @@ def test_require_gpu_resident_stops_a_cpu_run_before_training(tmp_path, tiny_mod
     assert not (tmp_path / "out/a.gguf").exists()
 
 
-class Lines:
+class Lines(SilentReporter):
     """A reporter that keeps its messages."""
 
     def __init__(self):
@@ -107,18 +108,6 @@ class Lines:
 
     def message(self, text: str) -> None:
         self.lines.append(text)
-
-    def start(self, total, columns, unit) -> None:
-        pass
-
-    def row(self, values) -> None:
-        pass
-
-    def advance(self, done, status) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("verbose", [True, False])

@@ -3,6 +3,8 @@ bar (step/total, ETA, current numbers, RSS). Plain lines when stdout is not a te
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -16,6 +18,9 @@ class ConsoleReporter:
 
     def message(self, text: str) -> None:
         self.console.print(text, markup=False)
+
+    def checkpoint(self, path: Path) -> None:
+        self.message(f"checkpoint {path}")
 
     def start(self, total: int, columns: list[str], unit: str) -> None:
         self._columns = columns

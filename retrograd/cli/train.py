@@ -37,7 +37,7 @@ def train(
 
     resume_arg = resume_choice(resume, resume_from, ctx.args)
     cfg = load_config(config).with_overrides(model=model, device=device)
-    reporter = ConsoleReporter()
+    reporter = ReportingConsole(cfg)
     reporter.message("train")
     reporter.message(f"  config: {cfg.path}")
     reporter.message(f"  model:  {cfg.model.path or 'bundled SmolLM2-135M-Instruct Q4_1'}")
@@ -47,6 +47,34 @@ def train(
         reporter.message(warning)
     result = RECIPES[cfg.run.algorithm](cfg, reporter, resume=resume_arg)
     reporter.message(result.summary())
+    written = reporter.refresh_report()
+    if written:
+        reporter.message(f"report: {written}")
+
+
+class ReportingConsole(ConsoleReporter):
+    """The console, and the run's report.html rewritten at every checkpoint."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.report = None  # a RunReport once the run has written metrics.jsonl
+
+    def checkpoint(self, path: Path) -> None:
+        super().checkpoint(path)
+        self.refresh_report()
+
+    def refresh_report(self) -> Path | None:
+        """The report written, or None with a note: a report must never stop the training
+        it describes, whatever it meets in the records."""
+        from retrograd.run_report import RunReport, run_files
+
+        try:
+            self.report = self.report or RunReport(run_files(self.cfg))
+            return self.report.write()
+        except Exception as e:  # noqa: BLE001 (see the docstring)
+            super().message(f"note: report.html not written ({type(e).__name__}: {e})")
+            return None
 
 
 def sampler_warning(cfg) -> str | None:

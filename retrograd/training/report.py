@@ -3,6 +3,7 @@ progress bar); library callers can pass SilentReporter or their own."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 
@@ -22,6 +23,9 @@ class Reporter(Protocol):
     def finish(self) -> None:
         """The table and bar are complete."""
 
+    def checkpoint(self, path: Path) -> None:
+        """A checkpoint was written at `path` (the CLI says so and refreshes report.html)."""
+
 
 class SilentReporter:
     def message(self, text: str) -> None:
@@ -38,3 +42,6 @@ class SilentReporter:
 
     def finish(self) -> None:
         pass
+
+    def checkpoint(self, path: Path) -> None:
+        self.message(f"checkpoint {path}")  # a message, so subclasses that collect messages see it

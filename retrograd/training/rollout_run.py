@@ -74,13 +74,18 @@ class RunTotals:
 
     def account(self, metrics: dict, timing: dict) -> dict:
         """Count the measured update and add its timing/*, system/rss_bytes and
-        train/tokens_per_second to `metrics` (in place; returned for convenience)."""
+        train/tokens_per_second to `metrics` (in place; returned for convenience).
+        Sampling and training take turns here, so no rollout is ever canceled and no update
+        waits for a batch: those two counters are recorded as the zeros they are, beside
+        the phases, so a run report can say so rather than leave them out."""
         trained = metrics.get("batch/trained_tokens", 0)
         self.tokens += trained
         self.seconds += self.elapsed
         if self.loss_key in metrics:
             self.losses.append(metrics[self.loss_key])
         metrics |= {f"timing/{k}_seconds": v for k, v in timing.items()} | {
+            "timing/waiting_for_batch_seconds": 0.0,
+            "rollouts/canceled": 0,
             "timing/update_seconds": self.elapsed,
             "system/rss_bytes": rss_bytes(),
             "train/tokens_per_second": trained / self.elapsed if self.elapsed else 0.0,

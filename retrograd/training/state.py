@@ -64,7 +64,7 @@ class RecipeLoop:
 
     def save(self, name: str) -> None:
         path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
-        self.reporter.message(f"checkpoint {path}")
+        self.reporter.checkpoint(path)
 
     def account(self, update: int, metrics: dict, timing: dict) -> dict:
         """The rollout loops' per-update bookkeeping (RunTotals.account), and with
