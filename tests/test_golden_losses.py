@@ -113,10 +113,10 @@ def test_smoke_sft_first_three_steps(tmp_path):
         tmp_path,
         "smoke_tiny_sft.toml",
         {
-            'path = "../out/smoke_sft.gguf"': 'path = "out/adapter.gguf"',
+            'path = "../out/smoke_sft/smoke_sft.gguf"': 'path = "out/adapter.gguf"',
             'data = "data/arithmetic_train.jsonl"': f'data = "{EXAMPLES / "data/arithmetic_train.jsonl"}"',
             'data = "data/arithmetic_eval.jsonl"': f'data = "{EXAMPLES / "data/arithmetic_eval.jsonl"}"',
-            'directory = "../out/smoke_sft_checkpoints"': 'directory = "ckpt"',
+            'directory = "../out/smoke_sft/checkpoints"': 'directory = "ckpt"',
         },
         f'compute_dtype = "f32"\nthreads = {THREADS}',
     )
@@ -131,12 +131,12 @@ def test_smoke_grpo_first_update(tmp_path):
         tmp_path,
         "smoke_tiny_grpo.toml",
         {
-            'path = "../out/smoke_grpo.gguf"': 'path = "out/adapter.gguf"',
+            'path = "../out/smoke_grpo/smoke_grpo.gguf"': 'path = "out/adapter.gguf"',
             'prompts = "data/smoke_rl_prompts.jsonl"': f'prompts = "{EXAMPLES / "data/smoke_rl_prompts.jsonl"}"',
             'reward_command = ["python3", "examples/smoke_rl_reward.py"]':
                 f'reward_command = ["{sys.executable}", "{EXAMPLES / "smoke_rl_reward.py"}"]',
             'data = "data/smoke_rl_eval.jsonl"': f'data = "{EXAMPLES / "data/smoke_rl_eval.jsonl"}"',
-            'directory = "../out/smoke_grpo_checkpoints"': 'directory = "ckpt"',
+            'directory = "../out/smoke_grpo/checkpoints"': 'directory = "ckpt"',
         },
         f'compute_dtype = "f32"\nthreads = {THREADS}',
     )
