@@ -308,6 +308,11 @@ def create_app(inference: Inference) -> FastAPI:
                 status_code=400,
             )
         param = ".".join(str(part) for part in first["loc"][1:]) or None
+        if param is None and first["type"] in ("model_attributes_type", "dict_type"):  # e.g. a form-encoded body
+            return JSONResponse(
+                error_body("the body must be a JSON object, sent with Content-Type: application/json"),
+                status_code=400,
+            )
         text = first["msg"].removeprefix("Value error, ")
         message = f"{param}: {text}" if param else text
         if first["type"] == "extra_forbidden":

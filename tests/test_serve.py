@@ -170,6 +170,12 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert httpx.get(f"{server}/models", timeout=60).status_code == 200
 
 
+def test_a_body_that_is_not_json_names_the_content_type(server):
+    response = httpx.post(f"{server}/chat/completions", content=b"model=base", timeout=60,
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]["message"]
+
+
 def test_openai_client_raises_its_own_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=QUESTION)

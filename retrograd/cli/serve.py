@@ -60,10 +60,14 @@ def serve(
         server = uvicorn.Server(uvicorn.Config(api, log_level="warning", timeout_graceful_shutdown=5))
         try:
             server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for, or not, as asyncio's timing goes
+            pass
         finally:
             api.state.closing.set()
             with api.state.lock:  # a generation still running in a worker thread ends before the model is freed
                 pass
+    if server.should_exit:  # stopped by Ctrl-C (SIGTERM ends the process inside uvicorn): always status 130
+        raise typer.Exit(130)
 
 
 def named_adapters(args: list[str]) -> dict[str, Path]:
