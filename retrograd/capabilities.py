@@ -3,6 +3,7 @@ loading weights."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from retrograd.device import describe
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import ModelSpec, read_spec
 from retrograd.kernels.dequant import CODECS
-from retrograd.lora import DEFAULT_TARGETS, TARGET_ALIASES
+from retrograd.lora import DEFAULT_TARGETS, NAMED_TARGETS, TARGET_ALIASES
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class CapabilityReport:
     spec: ModelSpec
     n_params: int
     tensor_types: tuple[TensorTypeRow, ...]
-    lora_targets: tuple[tuple[str, int], ...]  # (alias, weights matched)
+    lora_targets: tuple[tuple[str, int], ...]  # (alias or name pattern, weights matched)
     device: str
 
     def lines(self) -> list[str]:
@@ -53,6 +54,8 @@ class CapabilityReport:
         ]
         if s.sliding_window:
             out.append(f"attention      sliding window {s.sliding_window} on {sum(s.swa_layers)} of {s.n_layer} layers")
+        if any(s.conv_layers):
+            out.append(f"mixers         gated short convolution (kernel {s.conv_kernel}) on {sum(s.conv_layers)} of {s.n_layer} layers, attention on the rest")
         out += [
             f"output head    {'tied to token_embd' if s.tied_output else 'output.weight'}",
             f"chat template  {'present' if s.chat_template else 'absent (chat data needs a template)'}",
@@ -98,5 +101,5 @@ def inspect_model(path: Path, device: torch.device) -> CapabilityReport:
     targets = tuple(
         (alias, sum(1 for name in f.tensors if name.startswith("blk.") and name.endswith(f".{TARGET_ALIASES[alias]}.weight")))
         for alias in DEFAULT_TARGETS
-    )
+    ) + tuple((pattern, n) for pattern in NAMED_TARGETS if (n := len(fnmatch.filter(f.tensors, pattern))))
     return CapabilityReport(path, f.size, spec, n_params, rows, targets, describe(device))

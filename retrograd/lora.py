@@ -32,6 +32,9 @@ TARGET_ALIASES = {
     "ffn_gate": "ffn_gate",
 }
 DEFAULT_TARGETS = tuple(TARGET_ALIASES)
+# projections no alias covers, targetable by name: lfm2's conv projections (llama.cpp's lfm2
+# graph multiplies both through build_lora_mm, so an adapter on them applies there too)
+NAMED_TARGETS = ("blk.*.shortconv.in_proj.weight", "blk.*.shortconv.out_proj.weight")
 
 
 def frozen_linears(model: Transformer) -> dict[str, tuple[nn.Module, str, FrozenLinear]]:

@@ -23,7 +23,23 @@ TINY_ARCHS = {
     # gemma3: six layers so the pattern has five sliding-window layers and one global one;
     # a window of 16 tokens binds inside a 256-token test
     "gemma3": dict(arch="gemma3", n_layer=6, n_embd=64, n_head=4, n_head_kv=1, head_dim=32, n_ff=128, tied=True, qk_norm=True, window=16),
+    # dense variants; `floats` are written as {arch}.{key}, with values small or large enough to bind
+    # smollm3: four layers, so the fourth skips RoPE (NoPE)
+    "smollm3": dict(arch="smollm3", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=True),
+    # gemma2: window of 16 on even layers, both soft-caps binding on these random weights
+    "gemma2": dict(arch="gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=True, window=16,
+                   floats={"attn_logit_softcapping": 3.0, "final_logit_softcapping": 8.0}),
+    "granite": dict(arch="granite", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=False,
+                    floats={"embedding_scale": 3.0, "residual_scale": 0.5, "attention.scale": 0.25, "logit_scale": 0.5}),
+    # olmo2: no pre-norms, q/k norms over the whole projection (its head size is n_embd / n_head)
+    "olmo2": dict(arch="olmo2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=False,
+                  qk_norm="full", pre_norm=False),
+    # lfm2: gated short convolutions (kernel 3) in layers 0, 1 and 3, attention in layer 2; lfm2's
+    # head size must be n_embd / n_head (llama.cpp sizes attn_output [n_embd, n_embd])
+    "lfm2": dict(arch="lfm2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=True, qk_norm=True,
+                 conv_layers=(0, 1, 3), conv_kernel=3),
 }
+SANDWICH_NORMS = ("gemma2", "gemma3", "olmo2")  # post_attention_norm and post_ffw_norm in each block
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,8 +63,9 @@ def _add_vocab(w: gguf.GGUFWriter) -> int:
     return len(v["tokens"])
 
 
-def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32) -> Path:
-    """A random model of TINY_ARCHS[name]; matrices stored as `qtype` (F32 by default)."""
+def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, extra_biases: tuple[str, ...] = ()) -> Path:
+    """A random model of TINY_ARCHS[name]; matrices stored as `qtype` (F32 by default);
+    `extra_biases` names weights (e.g. "blk.0.attn_output") given a bias the architecture lacks."""
     h = TINY_ARCHS[name]
     arch, E, D, F = h["arch"], h["n_embd"], h["head_dim"], h["n_ff"]
     H, K, L = h["n_head"], h["n_head_kv"], h["n_layer"]
@@ -61,7 +78,10 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32) -
     w.add_block_count(L)
     w.add_feed_forward_length(F)
     w.add_head_count(H)
-    w.add_head_count_kv(K)
+    conv_layers = h.get("conv_layers", ())
+    w.add_head_count_kv([0 if i in conv_layers else K for i in range(L)] if conv_layers else K)  # lfm2: 0 for a conv layer
+    if conv_layers:
+        w.add_shortconv_l_cache(h["conv_kernel"])
     w.add_key_length(D)
     w.add_value_length(D)
     w.add_rope_dimension_count(D)
@@ -69,6 +89,8 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32) -
     w.add_layer_norm_rms_eps(1e-6)
     if h.get("window"):
         w.add_sliding_window(h["window"])
+    for key, value in h.get("floats", {}).items():
+        w.add_float32(f"{arch}.{key}", value)
 
     def mat(rows, cols, gain=1.0):
         return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
@@ -83,29 +105,39 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32) -
             w.add_tensor(name_, arr)
 
     put("token_embd.weight", rng.standard_normal((n_vocab, E)).astype(np.float32))
-    w.add_tensor("output_norm.weight", vec(E))
+    w.add_tensor("token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight", vec(E))
     if not h["tied"]:
         put("output.weight", mat(n_vocab, E, gain=3.0))
     for i in range(L):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", vec(E))
-        put(p + "attn_q.weight", mat(H * D, E, 2.0))
-        put(p + "attn_k.weight", mat(K * D, E, 2.0))
-        put(p + "attn_v.weight", mat(K * D, E))
-        put(p + "attn_output.weight", mat(E, H * D))
-        if h.get("bias"):
-            for t, n in (("q", H * D), ("k", K * D), ("v", K * D)):
-                w.add_tensor(p + f"attn_{t}.bias", vec(n, 0.0, 0.5))
-        if h.get("qk_norm"):
-            w.add_tensor(p + "attn_q_norm.weight", vec(D))
-            w.add_tensor(p + "attn_k_norm.weight", vec(D))
-        w.add_tensor(p + "ffn_norm.weight", vec(E))
+        if h.get("pre_norm", True):
+            w.add_tensor(p + "attn_norm.weight", vec(E))
+        if i in conv_layers:  # lfm2: a gated short convolution in place of attention
+            w.add_tensor(p + "shortconv.conv.weight", (0.5 * rng.standard_normal((E, h["conv_kernel"]))).astype(np.float32))
+            put(p + "shortconv.in_proj.weight", mat(3 * E, E, 2.0))
+            put(p + "shortconv.out_proj.weight", mat(E, E))
+        else:
+            put(p + "attn_q.weight", mat(H * D, E, 2.0))
+            put(p + "attn_k.weight", mat(K * D, E, 2.0))
+            put(p + "attn_v.weight", mat(K * D, E))
+            put(p + "attn_output.weight", mat(E, H * D))
+            if h.get("bias"):
+                for t, n in (("q", H * D), ("k", K * D), ("v", K * D)):
+                    w.add_tensor(p + f"attn_{t}.bias", vec(n, 0.0, 0.5))
+            if h.get("qk_norm"):
+                full = h["qk_norm"] == "full"
+                w.add_tensor(p + "attn_q_norm.weight", vec(H * D if full else D))
+                w.add_tensor(p + "attn_k_norm.weight", vec(K * D if full else D))
+        if h.get("pre_norm", True):
+            w.add_tensor(p + "ffn_norm.weight", vec(E))
         put(p + "ffn_gate.weight", mat(F, E))
         put(p + "ffn_up.weight", mat(F, E))
         put(p + "ffn_down.weight", mat(E, F))
-        if arch == "gemma3":
+        if arch in SANDWICH_NORMS:
             w.add_tensor(p + "post_attention_norm.weight", vec(E))
             w.add_tensor(p + "post_ffw_norm.weight", vec(E))
+    for weight in extra_biases:
+        w.add_tensor(weight + ".bias", vec(E, 0.0, 0.5))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

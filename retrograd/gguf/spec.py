@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from retrograd.errors import GGUFError, UnsupportedArchError
 from retrograd.gguf.file import GGUFFile
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "gemma2", "granite", "olmo2")
 
 # llama.cpp rotates interleaved pairs (x[2i], x[2i+1]) for "norm" models, whose GGUF Q/K
 # rows the converter already permuted, and halves (x[i], x[i+n/2]) for "neox" models.
 ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+ROPE_STYLE |= {"smollm3": "norm", "gemma2": "neox", "granite": "norm", "olmo2": "neox"}
+# hybrid stacks: lfm2 mixes gated short-convolution layers with attention layers
+SUPPORTED_ARCHS += ("lfm2",)
+ROPE_STYLE |= {"lfm2": "neox"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,17 @@ class ModelSpec:
     swa_layers: tuple[bool, ...]
     final_logit_softcap: float  # 0 = none
     tied_output: bool  # no output.weight: the head reuses token_embd
+    # dense variants (smollm3, gemma2, granite, olmo2)
+    rope_layers: tuple[bool, ...]  # layers whose q and k are rotated (smollm3 leaves every fourth unrotated: NoPE)
+    attn_logit_softcap: float  # 0 = none; else each q·k score becomes cap * tanh(score / cap) (gemma2)
+    residual_scale: float  # multiplies each branch's output before it joins the residual stream (granite)
+    logit_scale: float  # the logits are divided by this (granite)
+    pre_norm: bool  # attn_norm / ffn_norm in front of each branch (olmo2 has only the post-norms)
+    qk_norm_full: bool  # the q/k norm spans the whole projection instead of each head (olmo2)
+    # hybrid stacks (lfm2)
+    conv_layers: tuple[bool, ...]  # layers whose mixer is a gated short convolution instead of attention
+    conv_kernel: int  # shortconv.l_cache: each convolution sees its token and the conv_kernel - 1 before it (0 = none)
+    final_norm: str  # GGUF name of the norm before the head (lfm2 stores it as token_embd_norm.weight)
     chat_template: str | None
 
     @property
@@ -101,6 +116,20 @@ def _layer_int(f: GGUFFile, key: str, n_layer: int, default: int | None = None) 
     return _in_range(f, key, values[0], 1)
 
 
+def _kv_heads_and_conv_layers(f: GGUFFile, key: str, n_layer: int, n_head: int, *, hybrid: bool) -> tuple[int, tuple[bool, ...]]:
+    """head_count_kv, and which layers convolve instead of attending: a hybrid stack (lfm2)
+    lists 0 key-value heads for those, which is how llama.cpp's load_hparams tells them apart."""
+    if not hybrid or f.array_length(key) is None:
+        return _layer_int(f, key, n_layer, n_head), (False,) * n_layer
+    per_layer = f.get_ints(key)
+    if len(per_layer) != n_layer:
+        raise GGUFError(f"{f.path}: {key} has {len(per_layer)} entries for {n_layer} layers")
+    attention = sorted({v for v in per_layer if v})
+    if len(attention) > 1:
+        raise GGUFError(f"{f.path}: {key} differs between attention layers ({attention[:8]}); not supported")
+    return (_in_range(f, key, attention[0], 1) if attention else n_head), tuple(v == 0 for v in per_layer)
+
+
 def _vocabulary_size(f: GGUFFile) -> int | None:
     """The length of tokenizer.ggml.tokens. llama.cpp aborts the whole process (a GGML_ASSERT,
     not an error it returns) on a vocabulary that lists a token twice: such a file stops here,
@@ -130,7 +159,7 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         raise GGUFError(f"{f.path}: metadata {k('block_count')} is {n_layer}, but the file has only {len(f.tensors)} tensors")
     n_embd = _int(f, k("embedding_length"))
     n_head = _layer_int(f, k("attention.head_count"), n_layer)
-    n_head_kv = _layer_int(f, k("attention.head_count_kv"), n_layer, n_head)
+    n_head_kv, conv_layers = _kv_heads_and_conv_layers(f, k("attention.head_count_kv"), n_layer, n_head, hybrid=arch == "lfm2")
     n_ff = _layer_int(f, k("feed_forward_length"), n_layer)
     head_dim = _int(f, k("attention.key_length"), max(n_embd // n_head, 1))
     head_dim_v = _int(f, k("attention.value_length"), head_dim)
@@ -158,6 +187,37 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         if n_layer == 62:  # gemma3-27B scales by n_embd/n_head, as llama.cpp does
             attn_scale = 1.0 / math.sqrt(n_embd / n_head)
 
+    # dense variants: each value as llama.cpp's load_hparams and graph builder set it
+    rope_base = _float(f, k("rope.freq_base"), 10000.0)
+    rope_base_swa = 10000.0
+    rope_layers = (True,) * n_layer
+    embed_scale = math.sqrt(n_embd) if arch in ("gemma2", "gemma3") else 1.0
+    attn_logit_softcap, residual_scale, logit_scale = 0.0, 1.0, 1.0
+    if arch == "smollm3":  # llama.cpp's n_no_rope_layer_step = 4: layers 3, 7, 11, ... skip RoPE
+        rope_layers = tuple((i + 1) % 4 != 0 for i in range(n_layer))
+    elif arch == "gemma2":  # a window (4096 unless set) on every even layer, at the global RoPE base
+        sliding_window = _int(f, k("attention.sliding_window"), 4096, minimum=0)
+        swa_layers = tuple(i % 2 == 0 and sliding_window > 0 for i in range(n_layer))
+        rope_base_swa = rope_base
+        attn_logit_softcap = _float(f, k("attn_logit_softcapping"), 50.0)
+        if n_layer == 46:  # gemma2-27B scales by n_embd/n_head, as llama.cpp does
+            attn_scale = 1.0 / math.sqrt(n_embd / n_head)
+    elif arch == "granite":  # each multiplier is off when absent or 0; logit_scale is required
+        embed_scale = _float(f, k("embedding_scale"), 0.0, positive=False) or 1.0
+        residual_scale = _float(f, k("residual_scale"), 0.0, positive=False) or 1.0
+        attn_scale = _float(f, k("attention.scale"), 0.0, positive=False) or attn_scale
+        logit_scale = _float(f, k("logit_scale"))
+        if f.get(k("rope.scaling.finetuned"), True) is False:  # granite's switch for RoPE
+            rope_layers = (False,) * n_layer
+    elif arch == "olmo2" and _int(f, k("attention.sliding_window"), 0, minimum=0):
+        raise GGUFError(f"{f.path}: olmo2 with sliding-window layers (OLMo 3) is not supported")
+
+    # hybrid stacks: lfm2's gated short-convolution layers
+    conv_kernel = _int(f, k("shortconv.l_cache"), minimum=2) if arch == "lfm2" else 0
+    if arch == "lfm2" and _int(f, k("attention.sliding_window"), 0, minimum=0):
+        raise GGUFError(f"{f.path}: lfm2 with sliding-window attention layers is not supported")
+    first_attention = conv_layers.index(False) if not all(conv_layers) else 0  # where q/k biases and norms show
+
     n_rot = _int(f, k("rope.dimension_count"), head_dim)
     if n_rot > head_dim:
         raise GGUFError(f"{f.path}: metadata {k('rope.dimension_count')} is {n_rot}, more than the head size {head_dim}")
@@ -176,20 +236,31 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         norm_eps=_float(f, k("attention.layer_norm_rms_epsilon")),
         rope_style=ROPE_STYLE[arch],
         n_rot=n_rot,
-        rope_base=_float(f, k("rope.freq_base"), 10000.0),
+        rope_base=rope_base,
         rope_freq_scale=1.0 / factor,
-        rope_base_swa=10000.0,
-        qkv_bias="blk.0.attn_q.bias" in f.tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
-        sandwich_norm=arch == "gemma3",
-        ffn_act="gelu" if arch == "gemma3" else "silu",
-        embed_scale=math.sqrt(n_embd) if arch == "gemma3" else 1.0,
+        rope_base_swa=rope_base_swa,
+        qkv_bias=f"blk.{first_attention}.attn_q.bias" in f.tensors,
+        qk_norm=f"blk.{first_attention}.attn_q_norm.weight" in f.tensors,
+        sandwich_norm=arch in ("gemma2", "gemma3", "olmo2"),
+        ffn_act="gelu" if arch in ("gemma2", "gemma3") else "silu",
+        embed_scale=embed_scale,
         attn_scale=attn_scale,
         sliding_window=sliding_window,
         swa_layers=swa_layers,
-        # llama.cpp applies the final soft-cap only in its non-sliding-window gemma3 graph
-        final_logit_softcap=_float(f, k("final_logit_softcapping"), 0.0, positive=False) if sliding_window == 0 else 0.0,
+        # llama.cpp applies the final soft-cap in gemma2's graph (30 unless set) and only in its
+        # non-sliding-window gemma3 graph
+        final_logit_softcap=_float(f, k("final_logit_softcapping"), 30.0) if arch == "gemma2"
+        else _float(f, k("final_logit_softcapping"), 0.0, positive=False) if sliding_window == 0 else 0.0,
         tied_output="output.weight" not in f.tensors,
+        rope_layers=rope_layers,
+        attn_logit_softcap=attn_logit_softcap,
+        residual_scale=residual_scale,
+        logit_scale=logit_scale,
+        pre_norm=arch != "olmo2",
+        qk_norm_full=arch == "olmo2",
+        conv_layers=conv_layers,
+        conv_kernel=conv_kernel,
+        final_norm="token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight",
         chat_template=f.get_str("tokenizer.chat_template"),
     )
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from retrograd.bundled import default_model_path
-from retrograd.errors import GGUFError
+from retrograd.errors import GGUFError, UnsupportedArchError
 from retrograd.gguf.file import GGUFFile, TensorInfo
 from retrograd.gguf.spec import ModelSpec, read_spec
 from retrograd.kernels.dequant import CODECS
@@ -130,30 +130,34 @@ def hold_dense(transformer: Transformer, device: torch.device) -> str:
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor the forward reads, with its torch shape; anything else in the file is ignored."""
+    """Every tensor the forward reads, with its torch shape; other tensors are ignored, except biases (refused)."""
     E, D, Dv = spec.n_embd, spec.head_dim, spec.head_dim_v
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, E), "output_norm.weight": (E,)}
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, E), spec.final_norm: (E,)}
     if not spec.tied_output:
         shapes["output.weight"] = (spec.n_vocab, E)
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         shapes |= {
-            p + "attn_norm.weight": (E,),
             p + "attn_q.weight": (spec.n_head * D, E),
             p + "attn_k.weight": (spec.n_head_kv * D, E),
             p + "attn_v.weight": (spec.n_head_kv * Dv, E),
             p + "attn_output.weight": (E, spec.n_head * Dv),
-            p + "ffn_norm.weight": (E,),
             p + "ffn_gate.weight": (spec.n_ff, E),
             p + "ffn_up.weight": (spec.n_ff, E),
             p + "ffn_down.weight": (E, spec.n_ff),
         }
         if spec.qkv_bias:
             shapes |= {p + "attn_q.bias": (spec.n_head * D,), p + "attn_k.bias": (spec.n_head_kv * D,), p + "attn_v.bias": (spec.n_head_kv * Dv,)}
-        if spec.qk_norm:
-            shapes |= {p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)}
+        if spec.pre_norm:
+            shapes |= {p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,)}
+        if spec.qk_norm:  # per head, or over the whole projection (olmo2)
+            q, k = (spec.n_head * D, spec.n_head_kv * D) if spec.qk_norm_full else (D, D)
+            shapes |= {p + "attn_q_norm.weight": (q,), p + "attn_k_norm.weight": (k,)}
         if spec.sandwich_norm:
             shapes |= {p + "post_attention_norm.weight": (E,), p + "post_ffw_norm.weight": (E,)}
+        if spec.conv_layers[i]:  # lfm2: a gated short convolution in place of attention (after the same attn_norm)
+            shapes = {n: s for n, s in shapes.items() if not n.startswith(tuple(p + t for t in ("attn_q", "attn_k", "attn_v", "attn_output")))}
+            shapes |= {p + "shortconv.conv.weight": (E, spec.conv_kernel), p + "shortconv.in_proj.weight": (3 * E, E), p + "shortconv.out_proj.weight": (E, E)}
     return shapes
 
 
@@ -161,13 +165,19 @@ def _load_tensors(f: GGUFFile, spec: ModelSpec, mode: str, notes: list[str]):
     matrices: dict[str, FrozenWeight] = {}
     vectors: dict[str, torch.Tensor] = {}
     once_dequantized: set[str] = set()
-    for name, shape in expected_shapes(spec).items():
+    expected = expected_shapes(spec)
+    unread_bias = next((name for name in f.tensors if name.endswith(".bias") and name not in expected), None)
+    if unread_bias is not None:  # e.g. a granite with output biases: ignoring it would give other logits silently
+        raise UnsupportedArchError(
+            f"{f.path}: tensor {unread_bias} is a bias our {spec.arch} forward does not apply; this variant is not supported"
+        )
+    for name, shape in expected.items():
         t = f.tensors.get(name)
         if t is None:
             raise GGUFError(f"{f.path}: missing tensor {name} (expected for {spec.arch})")
         if t.shape != shape:
             raise GGUFError(f"{f.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} for this {spec.arch} model")
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith(".shortconv.conv.weight"):  # used elementwise, in float32
             vectors[name] = torch.from_numpy(_numpy_f32(f, t).copy())
             continue
         w = _frozen(f, t, once_dequantized)

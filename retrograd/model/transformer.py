@@ -1,9 +1,9 @@
 """The whole decoder, top to bottom: norm, RoPE, attention, MLP, block, model.
 
 It computes what llama.cpp computes for the same GGUF (src/models/{llama,qwen2,qwen3,
-gemma3}.cpp); architecture differences are ModelSpec fields. The residual stream, norms
-and RoPE run in float32; matmuls and attention run in `compute_dtype` (float32 or
-bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
+gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2}.cpp); architecture differences are ModelSpec
+fields. The residual stream, norms and RoPE run in float32; matmuls and attention run in
+`compute_dtype` (float32 or bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
 
 Mixed precision: a bf16 matmul's output is a bf16 number, and a young LoRA's delta on it
 lies far below bf16's resolution (1/256 of the value), so base + delta rounded back to bf16
@@ -197,6 +197,9 @@ class Attention(nn.Module):
         self.scale = spec.attn_scale
         self.rope_style = spec.rope_style
         self.index = i
+        self.rotates = spec.rope_layers[i]
+        self.qk_norm_full = spec.qk_norm_full
+        self.logit_softcap = spec.attn_logit_softcap
 
     def forward(self, x, rope, mask, p: _Pass):
         T, layout = x.shape[0], p.layout
@@ -204,11 +207,14 @@ class Attention(nn.Module):
         q = self.attn_q(h).float().view(T, self.n_head, self.head_dim)  # [T, H, D]
         k = self.attn_k(h).float().view(T, self.n_head_kv, self.head_dim)  # [T, K, D]
         v = self.attn_v(h).view(T, self.n_head_kv, -1)  # [T, K, Dv], float32 from a LoRA
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_full:  # olmo2: over the whole projection
+            q, k = self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+        elif self.q_norm is not None:  # over each head
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q = apply_rope(q, cos, sin, self.rope_style)
-        k = apply_rope(k, cos, sin, self.rope_style)
+        if self.rotates:  # not on smollm3's NoPE layers
+            cos, sin = rope
+            q = apply_rope(q, cos, sin, self.rope_style)
+            k = apply_rope(k, cos, sin, self.rope_style)
         if p.capture is not None:  # assigned, not appended: a checkpointed block runs twice
             p.capture.keys[self.index], p.capture.values[self.index] = k, v
         if p.past is not None:  # the past's slots come first; their queries are zeros whose outputs nobody reads
@@ -232,11 +238,66 @@ class Attention(nn.Module):
                 .view(*layout.rows.shape, *t.shape[1:]).transpose(1, 2)
                 for t in (q, k, v)
             )  # [R, heads, L, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.n_head != self.n_head_kv
-        ).to(p.compute_dtype)  # [R, H, L, Dv]
+        if self.logit_softcap:
+            out = softcapped_attention(q, k, v, mask, self.scale, self.logit_softcap).to(p.compute_dtype)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.n_head != self.n_head_kv
+            ).to(p.compute_dtype)  # [R, H, L, Dv]
         out = out.transpose(1, 2).reshape(-1, self.n_head * out.shape[-1])  # [R * L, H * Dv]
         return self.attn_output(out if layout.trivial else out[layout.out_index])  # [T, E]
+
+
+def softcapped_attention(q, k, v, mask: torch.Tensor | None, scale: float, cap: float) -> torch.Tensor:
+    """Attention whose scores pass through cap * tanh(score / cap) before the softmax
+    (gemma2), a step scaled_dot_product_attention has no place for. q [R, H, L, D], k and v
+    [R, K, L, D(v)], mask [R, 1, L, L] bool or None (causal) -> [R, H, L, Dv] float32 (the
+    scores and their softmax in float32, as SDPA keeps them)."""
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = q.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / cap)) * cap  # [R, H, L, L]
+    if mask is None:
+        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def causal_conv(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """x [R, L, E], kernel [E, K] -> [R, L, E]: out[t] = sum_k kernel[:, k] * x[t - K + 1 + k],
+    zeros before each row's start; ggml_ssm_conv over a fresh state, summed in its order."""
+    K, L = kernel.shape[1], x.shape[1]
+    padded = F.pad(x, (0, 0, K - 1, 0))
+    return sum(padded[:, k : k + L] * kernel[:, k] for k in range(K))
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution, the mixer of its non-attention layers (llama.cpp
+    src/models/lfm2.cpp build_shortconv_block): in_proj gives gates b, c and input x;
+    y = c * conv(b * x), conv a causal depthwise convolution over each attention row's tokens;
+    then out_proj. The gates run in float32, as the FFN's do (a LoRA's delta on in_proj is
+    below bf16's resolution). A Past holds b * x as this layer's keys (and no values)."""
+
+    def __init__(self, spec: ModelSpec, i: int, w: dict[str, FrozenWeight], vec: dict[str, torch.Tensor]):
+        super().__init__()
+        p = f"blk.{i}.shortconv."
+        self.in_proj = FrozenLinear(w[p + "in_proj.weight"], None)
+        self.out_proj = FrozenLinear(w[p + "out_proj.weight"], None)
+        self.register_buffer("kernel", vec[p + "conv.weight"], persistent=False)  # [E, conv_kernel]
+        self.index = i
+
+    def forward(self, x, rope, mask, p: _Pass):
+        layout = p.layout
+        b, c, h = self.in_proj(x.to(p.compute_dtype)).float().chunk(3, dim=-1)  # [T, E] each
+        bx = b * h
+        if p.capture is not None:  # assigned, not appended: a checkpointed block runs twice
+            p.capture.keys[self.index], p.capture.values[self.index] = bx, bx.new_zeros(bx.shape[0], 0)
+        if p.past is not None:  # the past's slots come first in the stream
+            bx = torch.cat([p.past.keys[self.index], bx])
+        if layout.trivial:
+            conv = causal_conv(bx.unsqueeze(0), self.kernel)[0]
+        else:  # into rows (a zero slot for padding, which only ends rows) and back
+            rows = torch.cat([bx, bx.new_zeros(1, bx.shape[1])]).index_select(0, layout.rows.flatten())
+            conv = causal_conv(rows.view(*layout.rows.shape, -1), self.kernel).flatten(0, 1)[layout.out_index]
+        return self.out_proj((c * conv).to(p.compute_dtype))
 
 
 # spec.ffn_act -> (act, (grad, x) -> grad * act'(x))
@@ -285,25 +346,27 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec, i: int, w: dict[str, FrozenWeight], vec: dict[str, torch.Tensor]):
         super().__init__()
         p = f"blk.{i}."
-        self.attn_norm = RMSNorm(vec[p + "attn_norm.weight"], spec.norm_eps)
-        self.attn = Attention(spec, i, w, vec)
-        self.ffn_norm = RMSNorm(vec[p + "ffn_norm.weight"], spec.norm_eps)
+        # olmo2 has no pre-norms: its branches read the residual stream as it is
+        self.attn_norm = RMSNorm(vec[p + "attn_norm.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
+        self.attn = ShortConv(spec, i, w, vec) if spec.conv_layers[i] else Attention(spec, i, w, vec)
+        self.ffn_norm = RMSNorm(vec[p + "ffn_norm.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
         self.ffn = FeedForward(spec, i, w)
-        # gemma3's sandwich norms: one more RMSNorm on each branch's output
+        # gemma2/gemma3/olmo2's sandwich norms: one more RMSNorm on each branch's output
         self.post_attention_norm = RMSNorm(vec[p + "post_attention_norm.weight"], spec.norm_eps) if spec.sandwich_norm else None
         self.post_ffw_norm = RMSNorm(vec[p + "post_ffw_norm.weight"], spec.norm_eps) if spec.sandwich_norm else None
         self.sliding = spec.swa_layers[i]
+        self.residual_scale = spec.residual_scale  # granite's branch multiplier; 1 elsewhere
 
     def forward(self, x, p: _Pass):
         rope, mask = (p.rope_local, p.mask_local) if self.sliding else (p.rope, None)
         a = self.attn(self.attn_norm(x), rope, mask, p).float()
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
-        x = x + a
+        x = x + a * self.residual_scale
         f = self.ffn(self.ffn_norm(x), p.compute_dtype).float()
         if self.post_ffw_norm is not None:
             f = self.post_ffw_norm(f)
-        return x + f
+        return x + f * self.residual_scale
 
 
 class Transformer(nn.Module):
@@ -313,7 +376,9 @@ class Transformer(nn.Module):
         self.token_embd = weights["token_embd.weight"]
         self.output = weights.get("output.weight", self.token_embd)
         self.blocks = nn.ModuleList(Block(spec, i, weights, vectors) for i in range(spec.n_layer))
-        self.output_norm = RMSNorm(vectors["output_norm.weight"], spec.norm_eps)
+        # granite divides its logits by logit_scale; every logit path (head, chunked log-probs)
+        # is linear in the final hidden state, so the final norm's weight takes the division
+        self.output_norm = RMSNorm(vectors[spec.final_norm] / spec.logit_scale, spec.norm_eps)
         self.rope_global = RotaryTable(spec.n_rot, spec.rope_base, spec.rope_freq_scale)
         self.rope_local = RotaryTable(spec.n_rot, spec.rope_base_swa, 1.0)
         self.compute_dtype = torch.float32

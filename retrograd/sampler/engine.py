@@ -79,6 +79,8 @@ class Engine:
         if not self.model:
             raise GGUFError(f"{self.path}: llama.cpp cannot load this model")
         self.placement = Placement.for_model(C.llama_model_n_layer(self.model))
+        # lfm2's conv layers: a sequence's state cannot be cut back to an earlier position
+        self.recurrent = bool(C.llama_model_is_recurrent(self.model) or C.llama_model_is_hybrid(self.model))
         self.vocab = C.llama_model_get_vocab(self.model)
         self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
         self.eog_ids = frozenset(t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t))

@@ -76,7 +76,7 @@ from pathlib import Path
 import numpy as np
 
 from retrograd.bundled import default_model_path
-from retrograd.errors import ConfigError, DataError
+from retrograd.errors import ConfigError, DataError, UnsupportedArchError
 from retrograd.sampler.engine import KV_MODES, MAX_SEQUENCES, Engine, Feed, Placement
 from retrograd.sampler.live_adapter import LiveAdapter, RefreshTiming
 from retrograd.sampler.sampling import Sampling, sample_token
@@ -232,6 +232,11 @@ class Sampler:
             n_threads=threads,
         )
         try:
+            if self.engine.recurrent:
+                raise UnsupportedArchError(
+                    f"{path}: this model keeps a recurrent (convolution) state per sequence, which the rollout "
+                    "sampler cannot rewind yet; sft and offline distillation train it, rollout algorithms do not"
+                )
             self.adapter = LiveAdapter(self.engine)
         except BaseException:
             self.engine.close()
