@@ -1,4 +1,4 @@
-"""Forward+backward speed of the architectures beyond llama (smollm3, gemma2, granite, olmo2, lfm2)
+"""Forward+backward speed of the architectures beyond llama (smollm3, gemma2, granite, olmo2, lfm2, phi3)
 against llama of the same width and depth, so a slow path in one of them shows.
 
     python benchmarks/dense_variants.py              # 512 tokens (~1 min on 2 cores)
@@ -6,7 +6,7 @@ against llama of the same width and depth, so a slow path in one of them shows.
 
 Each architecture is a random F32 GGUF written by tests/gguf_factory.py with one shared shape
 (its own features kept: gemma2's soft-caps and 16-token window, granite's multipliers, lfm2's conv layers,
-olmo2's norms, smollm3's NoPE layer). One step = one sequence through the model, a rank-8
+olmo2's norms, smollm3's NoPE layer, phi3's fused projections). One step = one sequence through the model, a rank-8
 LoRA on every projection, chunked cross-entropy and its backward; after a warm-up, 7 rounds
 over all models in turn (noise from other processes hits each alike), median per model.
 """
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gguf_factory import TINY_ARCHS, write_tiny_model
 
 # gemma3 for reference: gemma2 without the attention soft-cap (GELU, sandwich norms, windows alike)
-ARCHS = ("llama", "smollm3", "gemma2", "granite", "olmo2", "gemma3", "lfm2")
+ARCHS = ("llama", "smollm3", "gemma2", "granite", "olmo2", "gemma3", "lfm2", "phi3")
 # olmo2 fixes the head size at n_embd / n_head, so every model uses that; every head is untied
 # (a tied head alone costs ~30% of a step at this size, whatever the architecture)
 SHAPE = dict(n_layer=4, n_embd=256, n_head=8, n_head_kv=2, head_dim=32, n_ff=768, tied=False)

@@ -14,7 +14,7 @@ from retrograd.device import describe
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import ModelSpec, read_spec
 from retrograd.kernels.dequant import CODECS
-from retrograd.lora import DEFAULT_TARGETS, NAMED_TARGETS, TARGET_ALIASES
+from retrograd.lora import DEFAULT_TARGETS, FUSED_FAMILIES, NAMED_TARGETS, TARGET_ALIASES
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,13 @@ def inspect_model(path: Path, device: torch.device) -> CapabilityReport:
     rows = tuple(
         TensorTypeRow(q, counts[q], sizes[q], "; ".join(sorted(handling[q]))) for q in sorted(counts, key=lambda q: -sizes[q])
     )
+
+    def family_count(family: str) -> int:
+        return sum(1 for name in f.tensors if name.startswith("blk.") and name.endswith(f".{family}.weight"))
+
+    # an alias whose family is fused into another (phi3) counts the fused weights, as resolve_targets picks them
     targets = tuple(
-        (alias, sum(1 for name in f.tensors if name.startswith("blk.") and name.endswith(f".{TARGET_ALIASES[alias]}.weight")))
+        (alias, family_count(TARGET_ALIASES[alias]) or family_count(FUSED_FAMILIES.get(TARGET_ALIASES[alias], "")))
         for alias in DEFAULT_TARGETS
     ) + tuple((pattern, n) for pattern in NAMED_TARGETS if (n := len(fnmatch.filter(f.tensors, pattern))))
     return CapabilityReport(path, f.size, spec, n_params, rows, targets, describe(device))

@@ -32,6 +32,9 @@ TARGET_ALIASES = {
     "ffn_gate": "ffn_gate",
 }
 DEFAULT_TARGETS = tuple(TARGET_ALIASES)
+# a family a model stores fused into another (phi3): its alias adapts the fused weight, which
+# is the tensor llama.cpp's LoRA loader applies an adapter to (blk.N.attn_qkv.weight.lora_a/b)
+FUSED_FAMILIES = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_up"}
 # projections no alias covers, targetable by name: lfm2's conv projections (llama.cpp's lfm2
 # graph multiplies both through build_lora_mm, so an adapter on them applies there too)
 NAMED_TARGETS = ("blk.*.shortconv.in_proj.weight", "blk.*.shortconv.out_proj.weight")
@@ -49,8 +52,9 @@ def frozen_linears(model: Transformer) -> dict[str, tuple[nn.Module, str, Frozen
 
 def resolve_targets(targets: list[str] | tuple[str, ...], weight_names: list[str]) -> list[str]:
     """Config targets -> sorted GGUF weight names. Aliases (q, k, v, o, ffn_up, ffn_down,
-    ffn_gate) pick a family in every block; an entry with `*` or ending in `.weight` is a
-    literal glob over GGUF names; ["auto"] means every attention and FFN projection."""
+    ffn_gate) pick a family in every block, or the fused weight that holds it (FUSED_FAMILIES);
+    an entry with `*` or ending in `.weight` is a literal glob over GGUF names; ["auto"] means
+    every attention and FFN projection."""
     targets = list(targets)
     if targets == ["auto"]:
         targets = list(DEFAULT_TARGETS)
@@ -70,6 +74,8 @@ def resolve_targets(targets: list[str] | tuple[str, ...], weight_names: list[str
                 "auto, or a GGUF name pattern such as 'blk.*.attn_q.weight'"
             )
         matched = fnmatch.filter(weight_names, pattern)
+        if not matched and t in TARGET_ALIASES and TARGET_ALIASES[t] in FUSED_FAMILIES:
+            matched = fnmatch.filter(weight_names, f"blk.*.{FUSED_FAMILIES[TARGET_ALIASES[t]]}.weight")
         if not matched:
             raise ConfigError(f"lora.targets: {t!r} matches no trainable weight of this model (pattern {pattern})")
         chosen.update(matched)

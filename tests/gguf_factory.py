@@ -38,6 +38,10 @@ TINY_ARCHS = {
     # head size must be n_embd / n_head (llama.cpp sizes attn_output [n_embd, n_embd])
     "lfm2": dict(arch="lfm2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=True, qk_norm=True,
                  conv_layers=(0, 1, 3), conv_kernel=3),
+    # phi3: fused attn_qkv and gate/up; a window of 16 that llama.cpp's phi3 switches off. Not named
+    # "tiny-phi3": llama.cpp's vocabulary loader wants </s>, <unk>, <s> in a model whose name says phi3
+    "phi3": dict(arch="phi3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=False, fused=True,
+                 window=16, name="tiny-fused"),
 }
 SANDWICH_NORMS = ("gemma2", "gemma3", "olmo2")  # post_attention_norm and post_ffw_norm in each block
 
@@ -63,15 +67,17 @@ def _add_vocab(w: gguf.GGUFWriter) -> int:
     return len(v["tokens"])
 
 
-def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, extra_biases: tuple[str, ...] = ()) -> Path:
+def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, extra_biases: tuple[str, ...] = (),
+                     extra_vectors: tuple[str, ...] = ()) -> Path:
     """A random model of TINY_ARCHS[name]; matrices stored as `qtype` (F32 by default);
-    `extra_biases` names weights (e.g. "blk.0.attn_output") given a bias the architecture lacks."""
+    `extra_biases` names weights (e.g. "blk.0.attn_output") given a bias the architecture lacks,
+    `extra_vectors` further tensors of head_dim / 2 values (e.g. phi3's "rope_factors_long.weight")."""
     h = TINY_ARCHS[name]
     arch, E, D, F = h["arch"], h["n_embd"], h["head_dim"], h["n_ff"]
     H, K, L = h["n_head"], h["n_head_kv"], h["n_layer"]
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{name}")
+    w.add_name(h.get("name", f"tiny-{name}"))
     n_vocab = _add_vocab(w)
     w.add_context_length(2048)
     w.add_embedding_length(E)
@@ -116,6 +122,9 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
             w.add_tensor(p + "shortconv.conv.weight", (0.5 * rng.standard_normal((E, h["conv_kernel"]))).astype(np.float32))
             put(p + "shortconv.in_proj.weight", mat(3 * E, E, 2.0))
             put(p + "shortconv.out_proj.weight", mat(E, E))
+        elif h.get("fused"):  # phi3: q, k, v stacked in one matrix
+            put(p + "attn_qkv.weight", np.concatenate([mat(H * D, E, 2.0), mat(K * D, E, 2.0), mat(K * D, E)]))
+            put(p + "attn_output.weight", mat(E, H * D))
         else:
             put(p + "attn_q.weight", mat(H * D, E, 2.0))
             put(p + "attn_k.weight", mat(K * D, E, 2.0))
@@ -130,14 +139,19 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
                 w.add_tensor(p + "attn_k_norm.weight", vec(K * D if full else D))
         if h.get("pre_norm", True):
             w.add_tensor(p + "ffn_norm.weight", vec(E))
-        put(p + "ffn_gate.weight", mat(F, E))
-        put(p + "ffn_up.weight", mat(F, E))
+        if h.get("fused"):  # phi3: gate then up in one matrix
+            put(p + "ffn_up.weight", np.concatenate([mat(F, E), mat(F, E)]))
+        else:
+            put(p + "ffn_gate.weight", mat(F, E))
+            put(p + "ffn_up.weight", mat(F, E))
         put(p + "ffn_down.weight", mat(E, F))
         if arch in SANDWICH_NORMS:
             w.add_tensor(p + "post_attention_norm.weight", vec(E))
             w.add_tensor(p + "post_ffw_norm.weight", vec(E))
     for weight in extra_biases:
         w.add_tensor(weight + ".bias", vec(E, 0.0, 0.5))
+    for name_ in extra_vectors:
+        w.add_tensor(name_, vec(D // 2))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

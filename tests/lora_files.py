@@ -11,7 +11,7 @@ import numpy as np
 from retrograd.gguf.adapter import LoRAWeights, write_adapter
 from retrograd.gguf.file import GGUFFile
 
-TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def random_adapter(model: Path, path: Path, *, seed: int = 0, rank: int = 4, scale: float = 0.05) -> Path:

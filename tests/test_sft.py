@@ -67,7 +67,7 @@ def model_with_adapter(base: Path, adapter_path: Path):
     return model, adapter
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])  # phi3: adapters on the fused attn_qkv and ffn_up
 def test_exported_adapter_reproduces_our_model_in_llama_cpp(tmp_path, tiny_model, arch, ordinary_text):
     base = tiny_model(arch)
     result = sft.run(load_config(write_config(tmp_path, base, training="epochs = 2")), SilentReporter())

@@ -23,6 +23,9 @@ ROPE_STYLE |= {"smollm3": "norm", "gemma2": "neox", "granite": "norm", "olmo2": 
 # hybrid stacks: lfm2 mixes gated short-convolution layers with attention layers
 SUPPORTED_ARCHS += ("lfm2",)
 ROPE_STYLE |= {"lfm2": "neox"}
+# fused projections: phi3 stores q, k, v as one attn_qkv and gate, up as one ffn_up
+SUPPORTED_ARCHS += ("phi3",)
+ROPE_STYLE |= {"phi3": "neox"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class ModelSpec:
     conv_layers: tuple[bool, ...]  # layers whose mixer is a gated short convolution instead of attention
     conv_kernel: int  # shortconv.l_cache: each convolution sees its token and the conv_kernel - 1 before it (0 = none)
     final_norm: str  # GGUF name of the norm before the head (lfm2 stores it as token_embd_norm.weight)
+    # fused projections (phi3); llama.cpp splits both outputs in its graph
+    fused_qkv: bool  # blk.N.attn_qkv.weight holds q, k and v stacked, in that order
+    fused_gate_up: bool  # blk.N.ffn_up.weight holds gate then up ([2 * n_ff, n_embd]), no ffn_gate
     chat_template: str | None
 
     @property
@@ -218,6 +224,11 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         raise GGUFError(f"{f.path}: lfm2 with sliding-window attention layers is not supported")
     first_attention = conv_layers.index(False) if not all(conv_layers) else 0  # where q/k biases and norms show
 
+    # fused projections: phi3. llama.cpp's phi3 hparams switch a sliding window off (it warns
+    # that Phi SWA is disabled), so a window in the file is not applied; long-RoPE factors are not implemented
+    if arch == "phi3" and any(f"rope_factors_{kind}.weight" in f.tensors for kind in ("long", "short")):
+        raise GGUFError(f"{f.path}: phi3 with long-RoPE factors (rope_factors_long/short, e.g. Phi-3.5, Phi-4-mini) is not supported")
+
     n_rot = _int(f, k("rope.dimension_count"), head_dim)
     if n_rot > head_dim:
         raise GGUFError(f"{f.path}: metadata {k('rope.dimension_count')} is {n_rot}, more than the head size {head_dim}")
@@ -261,6 +272,8 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         conv_layers=conv_layers,
         conv_kernel=conv_kernel,
         final_norm="token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight",
+        fused_qkv=f"blk.{first_attention}.attn_qkv.weight" in f.tensors,
+        fused_gate_up=arch == "phi3",
         chat_template=f.get_str("tokenizer.chat_template"),
     )
 

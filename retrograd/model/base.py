@@ -158,6 +158,12 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.conv_layers[i]:  # lfm2: a gated short convolution in place of attention (after the same attn_norm)
             shapes = {n: s for n, s in shapes.items() if not n.startswith(tuple(p + t for t in ("attn_q", "attn_k", "attn_v", "attn_output")))}
             shapes |= {p + "shortconv.conv.weight": (E, spec.conv_kernel), p + "shortconv.in_proj.weight": (3 * E, E), p + "shortconv.out_proj.weight": (E, E)}
+        if spec.fused_qkv:  # phi3: one attn_qkv in place of attn_q, attn_k, attn_v
+            shapes = {n: s for n, s in shapes.items() if not n.startswith(tuple(p + t for t in ("attn_q.", "attn_k.", "attn_v.")))}
+            shapes[p + "attn_qkv.weight"] = ((spec.n_head + spec.n_head_kv) * D + spec.n_head_kv * Dv, E)
+        if spec.fused_gate_up:  # phi3: ffn_up holds gate then up
+            del shapes[p + "ffn_gate.weight"]
+            shapes[p + "ffn_up.weight"] = (2 * spec.n_ff, E)
     return shapes
 
 

@@ -1,7 +1,7 @@
 """The whole decoder, top to bottom: norm, RoPE, attention, MLP, block, model.
 
 It computes what llama.cpp computes for the same GGUF (src/models/{llama,qwen2,qwen3,
-gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2}.cpp); architecture differences are ModelSpec
+gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2,phi3}.cpp); architecture differences are ModelSpec
 fields. The residual stream, norms and RoPE run in float32; matmuls and attention run in
 `compute_dtype` (float32 or bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
 
@@ -187,9 +187,14 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, i: int, w: dict[str, FrozenWeight], vec: dict[str, torch.Tensor]):
         super().__init__()
         p = f"blk.{i}."
-        self.attn_q = FrozenLinear(w[p + "attn_q.weight"], vec.get(p + "attn_q.bias"))
-        self.attn_k = FrozenLinear(w[p + "attn_k.weight"], vec.get(p + "attn_k.bias"))
-        self.attn_v = FrozenLinear(w[p + "attn_v.weight"], vec.get(p + "attn_v.bias"))
+        self.fused_qkv = spec.fused_qkv
+        if spec.fused_qkv:  # phi3: one projection, split as llama.cpp's graph views it
+            self.attn_qkv = FrozenLinear(w[p + "attn_qkv.weight"], None)
+            self.qkv_split = (spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim, spec.n_head_kv * spec.head_dim_v)
+        else:
+            self.attn_q = FrozenLinear(w[p + "attn_q.weight"], vec.get(p + "attn_q.bias"))
+            self.attn_k = FrozenLinear(w[p + "attn_k.weight"], vec.get(p + "attn_k.bias"))
+            self.attn_v = FrozenLinear(w[p + "attn_v.weight"], vec.get(p + "attn_v.bias"))
         self.attn_output = FrozenLinear(w[p + "attn_output.weight"], vec.get(p + "attn_output.bias"))
         self.q_norm = RMSNorm(vec[p + "attn_q_norm.weight"], spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(vec[p + "attn_k_norm.weight"], spec.norm_eps) if spec.qk_norm else None
@@ -204,9 +209,10 @@ class Attention(nn.Module):
     def forward(self, x, rope, mask, p: _Pass):
         T, layout = x.shape[0], p.layout
         h = x.to(p.compute_dtype)
-        q = self.attn_q(h).float().view(T, self.n_head, self.head_dim)  # [T, H, D]
-        k = self.attn_k(h).float().view(T, self.n_head_kv, self.head_dim)  # [T, K, D]
-        v = self.attn_v(h).view(T, self.n_head_kv, -1)  # [T, K, Dv], float32 from a LoRA
+        q, k, v = self.attn_qkv(h).split(self.qkv_split, dim=-1) if self.fused_qkv else (self.attn_q(h), self.attn_k(h), self.attn_v(h))
+        q = q.float().reshape(T, self.n_head, self.head_dim)  # [T, H, D]
+        k = k.float().reshape(T, self.n_head_kv, self.head_dim)  # [T, K, D]
+        v = v.reshape(T, self.n_head_kv, -1)  # [T, K, Dv], float32 from a LoRA
         if self.q_norm is not None and self.qk_norm_full:  # olmo2: over the whole projection
             q, k = self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
         elif self.q_norm is not None:  # over each head
@@ -332,14 +338,15 @@ class FeedForward(nn.Module):
     def __init__(self, spec: ModelSpec, i: int, w: dict[str, FrozenWeight]):
         super().__init__()
         p = f"blk.{i}."
-        self.ffn_gate = FrozenLinear(w[p + "ffn_gate.weight"], None)
-        self.ffn_up = FrozenLinear(w[p + "ffn_up.weight"], None)
+        self.ffn_gate = None if spec.fused_gate_up else FrozenLinear(w[p + "ffn_gate.weight"], None)
+        self.ffn_up = FrozenLinear(w[p + "ffn_up.weight"], None)  # phi3: gate then up, halves of one output
         self.ffn_down = FrozenLinear(w[p + "ffn_down.weight"], None)
         self.act = spec.ffn_act
 
     def forward(self, x, compute_dtype):
         h = x.to(compute_dtype)
-        return self.ffn_down(_GatedProduct.apply(self.ffn_gate(h), self.ffn_up(h), self.act, compute_dtype))
+        gate, up = self.ffn_up(h).chunk(2, dim=-1) if self.ffn_gate is None else (self.ffn_gate(h), self.ffn_up(h))
+        return self.ffn_down(_GatedProduct.apply(gate, up, self.act, compute_dtype))
 
 
 class Block(nn.Module):
