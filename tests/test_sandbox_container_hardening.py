@@ -110,7 +110,9 @@ def test_reuse_forgets_shm_mqueue_ipc_and_the_verifiers_files(pool):
 @pytest.mark.container
 def test_a_verify_that_times_out_scores_0_and_costs_only_its_container(pool):
     sandbox = pool.acquire()
-    bomb = ScenarioEnv.from_json({"verify": {"command": "b(){ b | b & }; b; sleep 100"}}, "v").verify
+    # exec: the wait must not need a fork, or a bomb that fills the pids limit first makes
+    # the verifier exit early (no timeout, a kept container), as it did once in CI
+    bomb = ScenarioEnv.from_json({"verify": {"command": "b(){ b | b & }; b; exec sleep 100"}}, "v").verify
     assert sandbox.verify(bomb, timeout=2) == 0.0
     sandbox.close()
     assert pool.idle_count == 0  # killed with the verifier's processes, not wiped and kept
