@@ -1,8 +1,12 @@
 """The frozen base in torch: resident memory per `weights` mode against the GGUF file size,
-and forward / forward+backward speed per weights mode and compute dtype.
+forward / forward+backward speed per weights mode and compute dtype, and forward+backward
+speed per architecture relative to llama at the same width and depth.
 
-    python benchmarks/base_model.py            # SmolLM2 and Gemma-3, all modes (~10 min on 2 cores)
-    python benchmarks/base_model.py --quick    # SmolLM2 only, 128 and 1024 tokens
+    python benchmarks/base_model.py            # SmolLM2 and Gemma-3, all modes, then the architectures (~11 min on 2 cores)
+    python benchmarks/base_model.py --quick    # SmolLM2 only, 128 and 1024 tokens, then the architectures
+    python benchmarks/base_model.py --archs    # the architecture rows alone (~1 min; --tokens 1024 for longer rows)
+
+The architecture rows (their list, ARCHS, and how they are measured) are benchmarks/dense_variants.py's.
 
 Each measurement runs in a fresh subprocess so resident memory and compile caches do not
 leak between rows. Forward+backward trains a rank-8 LoRA on all seven projection families
@@ -74,14 +78,27 @@ def measure(model: str, mode: str, dtype: str, tokens: list[int]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--archs", action="store_true", help="only the per-architecture rows")
+    ap.add_argument("--tokens", type=int, default=512, help="sequence length of the per-architecture rows")
     ap.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:
         model, mode, dtype, tokens = args._child
         print(json.dumps(measure(model, mode, dtype, [int(n) for n in tokens.split(",")])))
         return
+    from retrograd.device import cpu_name
 
-    models = ("smollm2",) if args.quick else ("smollm2", "gemma3")
+    print(f"CPU: {cpu_name()}")
+    if not args.archs:
+        weight_modes(args.quick)
+    from dense_variants import architecture_rows  # benchmarks/, this script's folder
+
+    print("", *architecture_rows(args.tokens), sep="\n")
+
+
+def weight_modes(quick: bool) -> None:
+    """Memory and speed of SmolLM2 (and Gemma-3 unless `quick`) per weights mode and compute dtype."""
+    models = ("smollm2",) if quick else ("smollm2", "gemma3")
     tokens = (128, 1024)
     rows = {}
     for model in models:

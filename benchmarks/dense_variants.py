@@ -1,19 +1,20 @@
-"""Forward+backward speed of the architectures beyond llama (smollm3, gemma2, granite, olmo2, lfm2, phi3)
-against llama of the same width and depth, so a slow path in one of them shows.
+"""Forward+backward speed of each architecture beyond llama (the names in ARCHS)
+against llama of the same width and depth, so a slow path in one of them shows: the table and the
+measurement behind the architecture rows of benchmarks/base_model.py, which prints them.
 
-    python benchmarks/dense_variants.py              # 512 tokens (~1 min on 2 cores)
-    python benchmarks/dense_variants.py --tokens 1024
+    python benchmarks/base_model.py --archs              # these rows alone, 512 tokens (~1 min on 2 cores)
+    python benchmarks/base_model.py --archs --tokens 1024
 
 Each architecture is a random F32 GGUF written by tests/gguf_factory.py with one shared shape
 (its own features kept: gemma2's soft-caps and 16-token window, granite's multipliers, lfm2's conv layers,
 olmo2's norms, smollm3's NoPE layer, phi3's fused projections). One step = one sequence through the model, a rank-8
 LoRA on every projection, chunked cross-entropy and its backward; after a warm-up, 7 rounds
 over all models in turn (noise from other processes hits each alike), median per model.
+A new architecture is one more name in ARCHS (a TINY_ARCHS entry of tests/gguf_factory.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -34,9 +35,14 @@ from gguf_factory import TINY_ARCHS, write_tiny_model
 
 # gemma3 for reference: gemma2 without the attention soft-cap (GELU, sandwich norms, windows alike)
 ARCHS = ("llama", "smollm3", "gemma2", "granite", "olmo2", "gemma3", "lfm2", "phi3")
+ARCHS += ("mistral3",)  # YaRN angles and attention temperature (from position 64 on)
 # olmo2 fixes the head size at n_embd / n_head, so every model uses that; every head is untied
 # (a tied head alone costs ~30% of a step at this size, whatever the architecture)
 SHAPE = dict(n_layer=4, n_embd=256, n_head=8, n_head_kv=2, head_dim=32, n_ff=768, tied=False)
+# a mixture of experts at "the same width": each token's experts do llama's FFN work (2 used x 384 = n_ff),
+# from 4x llama's FFN weights (8 experts)
+ARCHS += ("qwen3moe",)
+SHAPE_OF = {"qwen3moe": dict(experts=(8, 2, 384))}
 
 
 def train_step(path: Path, n_tokens: int):
@@ -65,24 +71,17 @@ def tokens_per_second(steps: dict, n_tokens: int, rounds: int = 7) -> dict[str, 
     return {arch: n_tokens / sorted(t)[rounds // 2] for arch, t in times.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=512)
-    args = ap.parse_args()
+def architecture_rows(n_tokens: int) -> list[str]:
+    """The table: tokens/s of each architecture in ARCHS and its ratio to llama's."""
     torch.set_num_threads(2)
     steps = {}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHS:
             name = f"bench-{arch}"
-            TINY_ARCHS[name] = TINY_ARCHS[arch] | SHAPE
-            steps[arch] = train_step(write_tiny_model(Path(tmp) / f"{name}.gguf", name), args.tokens)
-        speeds = tokens_per_second(steps, args.tokens)
+            TINY_ARCHS[name] = TINY_ARCHS[arch] | SHAPE | SHAPE_OF.get(arch, {})
+            steps[arch] = train_step(write_tiny_model(Path(tmp) / f"{name}.gguf", name), n_tokens)
+        speeds = tokens_per_second(steps, n_tokens)
     shape = ", ".join(f"{k}={v}" for k, v in SHAPE.items())
-    print(f"\nForward+backward tokens/s, {args.tokens} tokens, F32, {shape}, vocabulary 49152")
-    print(f"{'arch':<8} {'tok/s':>8} {'vs llama':>9}")
-    for arch, speed in speeds.items():
-        print(f"{arch:<8} {speed:8.0f} {speed / speeds['llama']:9.2f}")
-
-
-if __name__ == "__main__":
-    main()
+    rows = [f"Forward+backward tokens/s per architecture, {n_tokens} tokens, F32, {shape}, vocabulary 49152",
+            f"{'arch':<8} {'tok/s':>8} {'vs llama':>9}"]
+    return rows + [f"{arch:<8} {speed:8.0f} {speed / speeds['llama']:9.2f}" for arch, speed in speeds.items()]

@@ -16,6 +16,7 @@ copy alive.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,14 +33,21 @@ DENSE_BUDGET_FRACTION = 0.5
 
 
 class FrozenWeight:
-    """A 2-D base weight `[n_out, n_in]` (torch order) that never receives a gradient."""
+    """A base weight `[n_out, n_in]` (torch order) that never receives a gradient, or a stack
+    of them `[n_expert, n_out, n_in]` (a mixture's experts, one GGUF tensor), held as one
+    matrix of n_expert * n_out rows: expert e is rows e * n_out to (e + 1) * n_out."""
 
-    def __init__(self, name: str, data: torch.Tensor, qtype: QT, shape: tuple[int, int]):
+    def __init__(self, name: str, data: torch.Tensor, qtype: QT, shape: tuple[int, ...]):
         self.name = name
-        self.data = data  # uint8 [n_out, row_bytes] for block types; float [n_out, n_in] when dense
+        self.data = data  # uint8 [n_rows, row_bytes] for block types; float [n_rows, n_in] when dense
         self.qtype = qtype
         self.shape = shape
         self.kept: torch.Tensor | None = None  # a dense copy of `data` in one float dtype, while kept
+
+    @property
+    def n_rows(self) -> int:
+        """Rows of the matrix the weight is held as (n_out, or n_expert * n_out for a stack)."""
+        return math.prod(self.shape[:-1])
 
     @property
     def is_dense(self) -> bool:
@@ -64,7 +72,7 @@ class FrozenWeight:
             return held
         if self.is_dense:
             return self.data.to(dtype)
-        return dequantize(self.data, self.qtype, self.shape, dtype)
+        return dequantize(self.data, self.qtype, (self.n_rows, self.shape[-1]), dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` (any shape) -> `[*index.shape, n_in]`: an embedding lookup."""
@@ -74,21 +82,21 @@ class FrozenWeight:
         if self.is_dense:
             return self.data[index].to(dtype)
         flat = index.reshape(-1)
-        out = dequantize(self.data[flat], self.qtype, (flat.numel(), self.shape[1]), dtype)
-        return out.reshape(*index.shape, self.shape[1])
+        out = dequantize(self.data[flat], self.qtype, (flat.numel(), self.shape[-1]), dtype)
+        return out.reshape(*index.shape, self.shape[-1])
 
     def row_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows start..stop -> `[stop-start, n_in]`: one vocabulary tile of an output head."""
+        """Rows start..stop -> `[stop-start, n_in]`: one vocabulary tile of an output head, one expert of a stack."""
         held = self.ready(dtype)
         if held is not None:
             return held[start:stop]
         if self.is_dense:
             return self.data[start:stop].to(dtype)
-        return dequantize(self.data[start:stop], self.qtype, (stop - start, self.shape[1]), dtype)
+        return dequantize(self.data[start:stop], self.qtype, (stop - start, self.shape[-1]), dtype)
 
     def dense_nbytes(self, dtype: torch.dtype) -> int:
         """What a dense copy in `dtype` costs."""
-        return self.shape[0] * self.shape[1] * dtype.itemsize
+        return self.n_rows * self.shape[-1] * dtype.itemsize
 
     def to(self, device: torch.device) -> FrozenWeight:
         if self.data.device == device:
@@ -171,22 +179,24 @@ def keep_dense(weights: Iterable[FrozenWeight], dtype: torch.dtype, budget: int)
 
 class _FrozenLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: FrozenWeight) -> torch.Tensor:
-        ctx.weight = weight
-        return F.linear(x, weight.dense(x.dtype))
+    def forward(ctx, x: torch.Tensor, weight: FrozenWeight, start: int, stop: int) -> torch.Tensor:
+        ctx.weight, ctx.rows = weight, (start, stop)
+        return F.linear(x, weight.row_range(start, stop, x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        w = ctx.weight.dense(grad_out.dtype)
-        return grad_out @ w, None
+        w = ctx.weight.row_range(*ctx.rows, grad_out.dtype)
+        return grad_out @ w, None, None, None
 
 
-def frozen_linear(x: torch.Tensor, weight: FrozenWeight) -> torch.Tensor:
-    """x @ W.T for a frozen W; a weight held dense in x's dtype goes straight to F.linear
+def frozen_linear(x: torch.Tensor, weight: FrozenWeight, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """x @ W.T for a frozen W, or for its rows start..stop (one expert of a stack: only
+    those rows are dequantized); a weight held dense in x's dtype goes straight to F.linear
     (whose backward computes the same grad_out @ W)."""
+    start, stop = rows or (0, weight.n_rows)
     held = weight.ready(x.dtype)
     if held is not None:
-        return F.linear(x, held)
+        return F.linear(x, held[start:stop])
     if weight.is_dense:
-        return F.linear(x, weight.data.to(x.dtype))
-    return _FrozenLinear.apply(x, weight)
+        return F.linear(x, weight.data[start:stop].to(x.dtype))
+    return _FrozenLinear.apply(x, weight, start, stop)

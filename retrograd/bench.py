@@ -520,9 +520,7 @@ def _load(
 
 def _attach_adapter(model: BaseModel, loaded: AdapterFile, path: Path) -> Adapter:
     """A LoRA shaped as the file says (targets, rank, alpha), holding its weights."""
-    base_shapes = {
-        name: (lin.out_features, lin.in_features) for name, (_, _, lin) in frozen_linears(model.transformer).items()
-    }
+    base_shapes = {name: tuple(lin.weight.shape) for name, (_, _, lin) in frozen_linears(model.transformer).items()}  # expert stacks 3-D
     check_fits(loaded, path, model.path.name, model.spec.arch, base_shapes)
     if loaded.alpha <= 0:  # torch's LoRA scales by alpha / rank (llama.cpp reads 0 as 1)
         raise GGUFError(f"adapter {path}: adapter.lora.alpha = {loaded.alpha:g}; expected a positive alpha")

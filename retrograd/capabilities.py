@@ -14,7 +14,7 @@ from retrograd.device import describe
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import ModelSpec, read_spec
 from retrograd.kernels.dequant import CODECS
-from retrograd.lora import DEFAULT_TARGETS, FUSED_FAMILIES, NAMED_TARGETS, TARGET_ALIASES
+from retrograd.lora import DEFAULT_TARGETS, EXPERT_FAMILIES, FUSED_FAMILIES, NAMED_TARGETS, TARGET_ALIASES
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,13 @@ class CapabilityReport:
         s = self.spec
         rope = f"{s.rope_style}, base {s.rope_base:g}, {s.n_rot} dims"
         if s.rope_freq_scale != 1.0:
-            rope += f", linear scale {1 / s.rope_freq_scale:g}"
+            rope += f", {'YaRN' if s.rope_ext_factor else 'linear'} scale {1 / s.rope_freq_scale:g} (original context {s.rope_ctx_orig})"
+        if s.rope_factors_long != s.rope_factors_short:
+            rope += f", long-RoPE factors past a context of {s.rope_ctx_orig}"
+        elif s.rope_factors_long:
+            rope += f", frequency factors ({s.rope_factors_long})"
+        if s.attn_temp_scale:
+            rope += f", attention temperature {s.attn_temp_scale:g} per {s.attn_temp_length} positions"
         out = [
             f"model          {self.path}",
             f"file size      {_mib(self.file_size)}",
@@ -56,6 +62,13 @@ class CapabilityReport:
             out.append(f"attention      sliding window {s.sliding_window} on {sum(s.swa_layers)} of {s.n_layer} layers")
         if any(s.conv_layers):
             out.append(f"mixers         gated short convolution (kernel {s.conv_kernel}) on {sum(s.conv_layers)} of {s.n_layer} layers, attention on the rest")
+        if s.n_expert:
+            routing = s.expert_gating + (", renormalised" if s.expert_weights_norm else "")
+            routing += f", scaled by {s.expert_weights_scale:g}" if s.expert_weights_scale != 1.0 else ""
+            out.append(
+                f"experts        {s.n_expert_used} of {s.n_expert} per token ({routing}), each {s.n_ff_exp} wide, on {sum(s.moe_layers)} "
+                f"of {s.n_layer} layers; ffn_up/ffn_gate/ffn_down adapt the expert stacks, a LoRA pair per expert"
+            )
         out += [
             f"output head    {'tied to token_embd' if s.tied_output else 'output.weight'}",
             f"chat template  {'present' if s.chat_template else 'absent (chat data needs a template)'}",
@@ -102,9 +115,11 @@ def inspect_model(path: Path, device: torch.device) -> CapabilityReport:
     def family_count(family: str) -> int:
         return sum(1 for name in f.tensors if name.startswith("blk.") and name.endswith(f".{family}.weight"))
 
-    # an alias whose family is fused into another (phi3) counts the fused weights, as resolve_targets picks them
+    # an alias whose family is fused into another (phi3) counts the fused weights, as resolve_targets picks them;
+    # an FFN alias counts a mixture's expert stacks too
     targets = tuple(
-        (alias, family_count(TARGET_ALIASES[alias]) or family_count(FUSED_FAMILIES.get(TARGET_ALIASES[alias], "")))
+        (alias, family_count(TARGET_ALIASES[alias]) + family_count(EXPERT_FAMILIES.get(TARGET_ALIASES[alias], ""))
+         or family_count(FUSED_FAMILIES.get(TARGET_ALIASES[alias], "")))
         for alias in DEFAULT_TARGETS
     ) + tuple((pattern, n) for pattern in NAMED_TARGETS if (n := len(fnmatch.filter(f.tensors, pattern))))
     return CapabilityReport(path, f.size, spec, n_params, rows, targets, describe(device))

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from retrograd.errors import ConfigError
+from retrograd.model.moe import FrozenExperts
 from retrograd.model.transformer import FrozenLinear, Transformer
 
 # config alias -> GGUF tensor family (blk.N.<family>.weight)
@@ -38,6 +39,9 @@ FUSED_FAMILIES = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qk
 # projections no alias covers, targetable by name: lfm2's conv projections (llama.cpp's lfm2
 # graph multiplies both through build_lora_mm, so an adapter on them applies there too)
 NAMED_TARGETS = ("blk.*.shortconv.in_proj.weight", "blk.*.shortconv.out_proj.weight")
+# a mixture of experts' stacks (blk.N.ffn_*_exps.weight) that an FFN alias adapts as well, with
+# a LoRA pair per expert: llama.cpp applies them (build_lora_mm_id). The router (ffn_gate_inp) is no alias's.
+EXPERT_FAMILIES = {"ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps", "ffn_gate": "ffn_gate_exps"}
 
 
 def frozen_linears(model: Transformer) -> dict[str, tuple[nn.Module, str, FrozenLinear]]:
@@ -52,7 +56,8 @@ def frozen_linears(model: Transformer) -> dict[str, tuple[nn.Module, str, Frozen
 
 def resolve_targets(targets: list[str] | tuple[str, ...], weight_names: list[str]) -> list[str]:
     """Config targets -> sorted GGUF weight names. Aliases (q, k, v, o, ffn_up, ffn_down,
-    ffn_gate) pick a family in every block, or the fused weight that holds it (FUSED_FAMILIES);
+    ffn_gate) pick a family in every block, or the fused weight that holds it (FUSED_FAMILIES),
+    the FFN ones also a mixture's expert stacks (EXPERT_FAMILIES);
     an entry with `*` or ending in `.weight` is a literal glob over GGUF names; ["auto"] means
     every attention and FFN projection."""
     targets = list(targets)
@@ -74,6 +79,8 @@ def resolve_targets(targets: list[str] | tuple[str, ...], weight_names: list[str
                 "auto, or a GGUF name pattern such as 'blk.*.attn_q.weight'"
             )
         matched = fnmatch.filter(weight_names, pattern)
+        if t in TARGET_ALIASES and TARGET_ALIASES[t] in EXPERT_FAMILIES:
+            matched += fnmatch.filter(weight_names, f"blk.*.{EXPERT_FAMILIES[TARGET_ALIASES[t]]}.weight")
         if not matched and t in TARGET_ALIASES and TARGET_ALIASES[t] in FUSED_FAMILIES:
             matched = fnmatch.filter(weight_names, f"blk.*.{FUSED_FAMILIES[TARGET_ALIASES[t]]}.weight")
         if not matched:
@@ -87,29 +94,33 @@ def _natural(name: str):
 
 
 class LoRALinear(nn.Module):
-    """base(x) + (alpha / r) * B(A(x)); A [r, n_in], B [n_out, r] held in float32."""
+    """base(x) + (alpha / r) * B(A(x)); A [r, n_in], B [n_out, r] held in float32. On a stack
+    of experts (FrozenExperts) a pair per expert, A [n_expert, r, n_in], B [n_expert, n_out, r],
+    and forward(x, e) applies expert e's."""
 
     def __init__(self, base: FrozenLinear, rank: int, alpha: float, generator: torch.Generator):
         super().__init__()
         self.base = base
         self.rank, self.alpha = rank, alpha
         self.scale = alpha / rank
-        a = torch.empty(rank, base.in_features)
+        stack = (base.n_expert,) if isinstance(base, FrozenExperts) else ()
+        a = torch.empty(*stack, rank, base.in_features)
         bound = 1.0 / math.sqrt(base.in_features)  # kaiming_uniform_(a=sqrt(5)), as PEFT and nn.Linear
         a.uniform_(-bound, bound, generator=generator)
         self.lora_a = nn.Parameter(a)
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.lora_b = nn.Parameter(torch.zeros(*stack, base.out_features, rank))
         self.enabled = True
 
     @property
     def weight_name(self) -> str:
         return self.base.weight.name
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+    def forward(self, x: torch.Tensor, *expert: int) -> torch.Tensor:
+        y = self.base(x, *expert)
         if not self.enabled:
             return y
-        delta = F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.scale
+        a, b = (self.lora_a[expert[0]], self.lora_b[expert[0]]) if expert else (self.lora_a, self.lora_b)
+        delta = F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scale
         if y.dtype == torch.float32:
             return y + delta
         # bf16/f16 compute: sum in float32, or a young adapter's delta (far below bf16's 1/128

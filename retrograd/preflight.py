@@ -116,7 +116,7 @@ def run_preflight(
         ("base weights", model.weight_bytes),
         ("lora", n_lora * 4),
         ("optimizer state", n_lora * 12),  # AdamW first and second moments + the gradient, float32
-        ("activations", activation_bytes(spec, micro_batch, compute_bytes, rank)),
+        ("activations", activation_bytes(spec, micro_batch, compute_bytes, rank, row_length=ctx)),
     )
     estimates += (("total", sum(n for _, n in estimates)),)
     families = sorted({name.split(".")[2] for name in adapter.layers})

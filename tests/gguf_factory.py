@@ -42,6 +42,21 @@ TINY_ARCHS = {
     # "tiny-phi3": llama.cpp's vocabulary loader wants </s>, <unk>, <s> in a model whose name says phi3
     "phi3": dict(arch="phi3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=False, fused=True,
                  window=16, name="tiny-fused"),
+    # qwen3moe: qwen3 attention (head size 32 != 64 / 4) and in every layer a router over 4 experts
+    # (2 used, each 32 wide); a router gain that keeps the picks far from ties
+    "qwen3moe": dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=False,
+                     qk_norm=True, experts=(4, 2, 32)),
+    # RoPE variants; `meta` keys are written as {arch}.{key} (str, int as uint32, float as float32).
+    # mistral3: YaRN (factor 4 over an original context of 64, so the ramp spans pairs 0 to 5 of 16)
+    # with a log multiplier, attention temperature, which binds from position 64 on, and YaRN betas
+    # that llama.cpp's mistral3 does not read; head size 32 != 64 / 4
+    "mistral3": dict(arch="mistral3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=False,
+                     meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64,
+                           "rope.scaling.yarn_beta_fast": 16.0, "rope.scaling.yarn_beta_slow": 2.0,
+                           "rope.scaling.yarn_log_multiplier": 0.5, "attention.temperature_scale": 0.5}),
+    # llama with YaRN (llama.cpp's default betas and magnitude)
+    "llama-yarn": dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=False,
+                       meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}),
 }
 SANDWICH_NORMS = ("gemma2", "gemma3", "olmo2")  # post_attention_norm and post_ffw_norm in each block
 
@@ -68,11 +83,13 @@ def _add_vocab(w: gguf.GGUFWriter) -> int:
 
 
 def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, extra_biases: tuple[str, ...] = (),
-                     extra_vectors: tuple[str, ...] = ()) -> Path:
+                     extra_vectors: tuple[str, ...] = (), vector_length: int = 0, meta: dict | None = None) -> Path:
     """A random model of TINY_ARCHS[name]; matrices stored as `qtype` (F32 by default);
-    `extra_biases` names weights (e.g. "blk.0.attn_output") given a bias the architecture lacks,
-    `extra_vectors` further tensors of head_dim / 2 values (e.g. phi3's "rope_factors_long.weight")."""
+    `extra_biases` names weights (e.g. "blk.0.attn_output") given a bias of their output's size,
+    `extra_vectors` further tensors of `vector_length` (default head_dim / 2) values around 1 (e.g.
+    phi3's "rope_factors_long.weight"); `meta` more metadata, as TINY_ARCHS' `meta`."""
     h = TINY_ARCHS[name]
+    extra_meta = h.get("meta", {}) | (meta or {})
     arch, E, D, F = h["arch"], h["n_embd"], h["head_dim"], h["n_ff"]
     H, K, L = h["n_head"], h["n_head_kv"], h["n_layer"]
     rng = np.random.default_rng(seed)
@@ -83,6 +100,11 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
     w.add_embedding_length(E)
     w.add_block_count(L)
     w.add_feed_forward_length(F)
+    if h.get("experts"):  # (expert_count, expert_used_count, expert_feed_forward_length); "experts_key": other values in the metadata
+        n_expert, n_used, n_ff_exp = h.get("experts_key", h["experts"])
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_used)
+        w.add_expert_feed_forward_length(n_ff_exp)
     w.add_head_count(H)
     conv_layers = h.get("conv_layers", ())
     w.add_head_count_kv([0 if i in conv_layers else K for i in range(L)] if conv_layers else K)  # lfm2: 0 for a conv layer
@@ -90,13 +112,17 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
         w.add_shortconv_l_cache(h["conv_kernel"])
     w.add_key_length(D)
     w.add_value_length(D)
-    w.add_rope_dimension_count(D)
+    if "rope.dimension_count" not in extra_meta:
+        w.add_rope_dimension_count(D)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     if h.get("window"):
         w.add_sliding_window(h["window"])
     for key, value in h.get("floats", {}).items():
         w.add_float32(f"{arch}.{key}", value)
+    for key, value in extra_meta.items():
+        add = w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32
+        add(f"{arch}.{key}", value)
 
     def mat(rows, cols, gain=1.0):
         return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
@@ -105,7 +131,7 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
         return (around + spread * rng.standard_normal(n)).astype(np.float32)
 
     def put(name_, arr):
-        if arr.ndim == 2 and qtype != QT.F32:
+        if arr.ndim >= 2 and qtype != QT.F32:
             w.add_tensor(name_, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name_, arr)
@@ -139,19 +165,27 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
                 w.add_tensor(p + "attn_k_norm.weight", vec(K * D if full else D))
         if h.get("pre_norm", True):
             w.add_tensor(p + "ffn_norm.weight", vec(E))
-        if h.get("fused"):  # phi3: gate then up in one matrix
+        if h.get("experts"):  # a router and stacks [n_expert, rows, cols] of expert matrices
+            X, Fx = h["experts"][0], h["experts"][2]
+            put(p + "ffn_gate_inp.weight", mat(X, E, gain=4.0))
+            put(p + "ffn_gate_exps.weight", np.stack([mat(Fx, E) for _ in range(X)]))
+            put(p + "ffn_up_exps.weight", np.stack([mat(Fx, E) for _ in range(X)]))
+            put(p + "ffn_down_exps.weight", np.stack([mat(E, Fx) for _ in range(X)]))
+        elif h.get("fused"):  # phi3: gate then up in one matrix
             put(p + "ffn_up.weight", np.concatenate([mat(F, E), mat(F, E)]))
         else:
             put(p + "ffn_gate.weight", mat(F, E))
             put(p + "ffn_up.weight", mat(F, E))
-        put(p + "ffn_down.weight", mat(E, F))
+        if not h.get("experts"):
+            put(p + "ffn_down.weight", mat(E, F))
         if arch in SANDWICH_NORMS:
             w.add_tensor(p + "post_attention_norm.weight", vec(E))
             w.add_tensor(p + "post_ffw_norm.weight", vec(E))
-    for weight in extra_biases:
-        w.add_tensor(weight + ".bias", vec(E, 0.0, 0.5))
+    bias_sizes = {"attn_q": H * D, "attn_k": K * D, "attn_v": K * D, "ffn_gate": F, "ffn_up": F, "output": n_vocab}
+    for weight in extra_biases:  # as long as the weight's output
+        w.add_tensor(weight + ".bias", vec(bias_sizes.get(weight.rsplit(".", 1)[-1], E), 0.0, 0.5))
     for name_ in extra_vectors:
-        w.add_tensor(name_, vec(D // 2))
+        w.add_tensor(name_, vec(vector_length or D // 2))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

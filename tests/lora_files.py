@@ -12,6 +12,7 @@ from retrograd.gguf.adapter import LoRAWeights, write_adapter
 from retrograd.gguf.file import GGUFFile
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+TARGETS += ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # expert stacks: a pair per expert
 
 
 def random_adapter(model: Path, path: Path, *, seed: int = 0, rank: int = 4, scale: float = 0.05) -> Path:
@@ -19,9 +20,9 @@ def random_adapter(model: Path, path: Path, *, seed: int = 0, rank: int = 4, sca
     shapes = {name: t.shape for name, t in base.tensors.items()}
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, (n_out, n_in) in ((n, s) for n, s in shapes.items() if n.split(".")[-2] in TARGETS):
-        a = rng.standard_normal((rank, n_in), dtype=np.float32) / np.sqrt(n_in)
-        b = rng.standard_normal((n_out, rank), dtype=np.float32) * scale
+    for name, (*stack, n_out, n_in) in ((n, s) for n, s in shapes.items() if n.endswith(".weight") and n.split(".")[-2] in TARGETS):
+        a = rng.standard_normal((*stack, rank, n_in), dtype=np.float32) / np.sqrt(n_in)
+        b = rng.standard_normal((*stack, n_out, rank), dtype=np.float32) * scale
         tensors[name] = LoRAWeights(a, b)
     return write_adapter(
         path, tensors, arch=base.get_str("general.architecture"), alpha=float(rank), base_shapes=shapes

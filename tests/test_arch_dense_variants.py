@@ -1,23 +1,17 @@
 """The dense variants of issue 13 (smollm3, gemma2, granite, olmo2): what each reads from its
-metadata, an exported adapter reproducing our logits in llama.cpp, and SFT learning on each.
-Their base-model parity with llama.cpp runs in tests/test_parity.py (every TINY_ARCHS entry)."""
+metadata, an exported adapter reproducing our logits in llama.cpp, and SFT learning on each;
+granite's optional biases. Their base-model parity with llama.cpp runs in tests/test_parity.py
+(every TINY_ARCHS entry)."""
 
 import subprocess
 import sys
 
 import pytest
-from chats import write_chat
-from gguf_factory import write_tiny_model
-from llama_ref import llama_logits
+from arch_checks import assert_adapter_reproduced, assert_matches_llama_cpp, sft_memorising_one_chat
+from gguf_factory import TINY_ARCHS, write_tiny_model
 from lora_files import random_adapter
 
 import retrograd
-from retrograd.config import load_config
-from retrograd.gguf.adapter import read_adapter
-from retrograd.lora import attach_lora
-from retrograd.recipes import sft
-from retrograd.recipes.common import load_adapter_weights
-from retrograd.training.report import SilentReporter
 
 DENSE_VARIANTS = ["smollm3", "gemma2", "granite", "olmo2"]
 
@@ -45,56 +39,44 @@ BASE_GAP = {"gemma2": 4e-3}
 def test_exported_adapter_reproduces_our_logits_in_llama_cpp(tmp_path, tiny_model, arch, ordinary_text):
     base = tiny_model(arch)
     exported = random_adapter(base, tmp_path / "adapter.gguf", scale=0.05)  # non-zero B on every standard target
-    model = retrograd.load_model(base)
-    loaded = read_adapter(exported)
-    adapter = attach_lora(model.transformer, list(loaded.tensors), loaded.rank, loaded.alpha, seed=0)
-    load_adapter_weights(adapter, exported)
-    assert len(adapter.layers) == 7 * model.spec.n_layer
-    ids = model.tokenize(ordinary_text)[:256]
-    ours, ref = model.logits(ids), llama_logits(base, ids, lora_path=exported)
-    assert (ours - ref).abs().max() <= BASE_GAP.get(arch, 0.0) + 1e-3
-    with adapter.disabled():
-        assert (model.logits(ids) - ref).abs().max() > 1e-1  # the adapter changed the model
+    adapter = assert_adapter_reproduced(base, exported, ordinary_text, base_gap=BASE_GAP.get(arch, 0.0))
+    assert len(adapter.layers) == 7 * TINY_ARCHS[arch]["n_layer"]
 
 
 @pytest.mark.parametrize("arch", DENSE_VARIANTS)
 def test_sft_memorises(tmp_path, tiny_model, arch):
-    """20 optimizer steps (epochs) on one chat: the loss falls by more than a quarter (gemma2's
-    soft-capped logits learn slowest: 13.2 to 8.4)."""
-    data = write_chat(tmp_path / "train.jsonl", 1)
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(
-        f"""
-[run]
-algorithm = "sft"
-[model]
-path = "{tiny_model(arch)}"
-[output]
-path = "out/adapter.gguf"
-[lora]
-rank = 4
-alpha = 8.0
-[training]
-ctx = 64
-micro_batch = 64
-lr = 1e-2
-epochs = 20
-compute_dtype = "f32"
-threads = 2
-[sft]
-data = "{data.name}"
-"""
-    )
-    result = sft.run(load_config(cfg), SilentReporter())
-    assert result.steps == 20 and result.output.is_file()
-    assert result.losses[-1] < 0.75 * result.losses[0], result.losses
+    """The loss falls by more than a quarter in 20 steps (gemma2's soft-capped logits learn slowest: 13.2 to 8.4)."""
+    sft_memorising_one_chat(tmp_path, tiny_model(arch))
+
+
+# granite: llama.cpp creates every bias below as optional and its graph adds each one
+GRANITE_BIASES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def biased_granite(tmp_path_factory):
+    n_layer = TINY_ARCHS["granite"]["n_layer"]
+    biases = tuple(f"blk.{i}.{t}" for i in range(n_layer) for t in GRANITE_BIASES)
+    return write_tiny_model(tmp_path_factory.mktemp("granite") / "granite-biases.gguf", "granite", extra_biases=biases)
+
+
+def test_granite_biases_match_llama_cpp(biased_granite, ordinary_text):
+    spec = retrograd.load_model(biased_granite).spec
+    assert spec.qkv_bias and spec.biased_projections == ("attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    assert_matches_llama_cpp(biased_granite, ordinary_text)
+
+
+def test_adapter_on_a_biased_granite_reproduces_our_logits_in_llama_cpp(tmp_path, biased_granite, ordinary_text):
+    exported = random_adapter(biased_granite, tmp_path / "adapter.gguf", scale=0.05)
+    adapter = assert_adapter_reproduced(biased_granite, exported, ordinary_text)
+    assert len(adapter.layers) == 7 * TINY_ARCHS["granite"]["n_layer"]
 
 
 def test_a_bias_our_forward_does_not_apply_is_refused_in_one_line(tmp_path):
-    """Granite files may carry output and FFN biases that this forward has no place for:
-    ignoring them would give other logits than llama.cpp's without a word."""
-    path = write_tiny_model(tmp_path / "biased.gguf", "granite", extra_biases=("blk.0.attn_output",))
+    """A bias llama.cpp's graph has no place for (gemma2 adds none to attn_output): ignoring
+    it would give other logits than the file's author meant, without a word."""
+    path = write_tiny_model(tmp_path / "biased.gguf", "gemma2", extra_biases=("blk.0.attn_output",))
     run = subprocess.run([sys.executable, "-m", "retrograd", "preflight", "--model", str(path)],
                          capture_output=True, text=True, check=False, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
-    assert "blk.0.attn_output.bias is a bias our granite forward does not apply" in run.stderr
+    assert "blk.0.attn_output.bias is a bias our gemma2 forward does not apply" in run.stderr

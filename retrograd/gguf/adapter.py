@@ -4,7 +4,10 @@ Layout (llama.cpp src/llama-adapter.cpp, convert_lora_to_gguf.py): `general.type
 "adapter"`, `general.architecture` = the base's, `adapter.type = "lora"`,
 `adapter.lora.alpha` as float32, and for each adapted base weight `<name>` exactly two
 tensors `<name>.lora_a` (numpy shape [r, n_in]) and `<name>.lora_b` ([n_out, r]); nothing
-else. llama.cpp scales by alpha / r with r read from the tensor shapes. GGUF Q/K rows are
+else. A stack of expert matrices [n_expert, n_out, n_in] (ffn_*_exps) gets a pair per
+expert, stacked the same way: lora_a [n_expert, r, n_in], lora_b [n_expert, n_out, r]
+(llama.cpp's build_lora_mm_id multiplies them with ggml_mul_mat_id, expert by expert).
+llama.cpp scales by alpha / r with r read from the tensor shapes. GGUF Q/K rows are
 already in llama.cpp's rotary layout, and our LoRA trains on those rows directly, so B is
 written as trained: never permuted.
 
@@ -31,7 +34,7 @@ ADAPTER_DTYPES = {"f32": np.float32, "f16": np.float16}
 
 @dataclass(frozen=True)
 class LoRAWeights:
-    """One adapted weight, as exported: A [r, n_in], B [n_out, r]."""
+    """One adapted weight, as exported: A [r, n_in], B [n_out, r] (an expert stack: [n_expert, ...] each)."""
 
     a: np.ndarray
     b: np.ndarray
@@ -49,17 +52,19 @@ def adapter_tensors(adapter) -> dict[str, LoRAWeights]:
 
 
 def check_shapes(tensors: dict[str, LoRAWeights], base_shapes: dict[str, tuple[int, ...]]) -> int:
-    """Every pair fits its base weight [n_out, n_in] and all share one rank; returns the rank."""
+    """Every pair fits its base weight [n_out, n_in] (or expert stack [n_expert, n_out, n_in])
+    and all share one rank; returns the rank."""
     ranks = set()
     for name, w in tensors.items():
         if name not in base_shapes:
             raise GGUFError(f"adapter weight {name} does not exist in the base model")
-        n_out, n_in = base_shapes[name]
-        r = w.a.shape[0]
-        if w.a.shape != (r, n_in) or w.b.shape != (n_out, r):
+        *stack, n_out, n_in = base_shapes[name]
+        r = w.a.shape[-2] if w.a.ndim >= 2 else 0
+        if w.a.shape != (*stack, r, n_in) or w.b.shape != (*stack, n_out, r):
+            lead = "".join(f"{n}, " for n in stack)
             raise GGUFError(
                 f"adapter weight {name}: lora_a {list(w.a.shape)} / lora_b {list(w.b.shape)} do not fit the base "
-                f"[{n_out}, {n_in}] (expected [r, {n_in}] and [{n_out}, r])"
+                f"{list(base_shapes[name])} (expected [{lead}r, {n_in}] and [{lead}{n_out}, r])"
             )
         ranks.add(r)
     if len(ranks) > 1:
@@ -87,7 +92,7 @@ def read_fitting_adapter(path: Path, base: GGUFFile) -> AdapterFile:
     if not path.is_file():
         raise GGUFError(f"adapter {path}: no such file")
     loaded = read_adapter(path)
-    shapes = {name: tuple(t.shape) for name, t in base.tensors.items() if len(t.shape) == 2}
+    shapes = {name: tuple(t.shape) for name, t in base.tensors.items() if len(t.shape) in (2, 3)}  # 3: expert stacks
     check_fits(loaded, path, base.path.name, base.get_str("general.architecture"), shapes)
     return loaded
 
@@ -136,7 +141,7 @@ class AdapterFile:
 
     @property
     def rank(self) -> int:
-        return next(iter(self.tensors.values())).a.shape[0] if self.tensors else 0
+        return next(iter(self.tensors.values())).a.shape[-2] if self.tensors else 0
 
 
 def read_adapter(path: str | os.PathLike) -> AdapterFile:

@@ -1,14 +1,15 @@
 """Fold a LoRA adapter into its base model: one standalone GGUF that llama.cpp loads
 without `--lora`, like llama.cpp's own export-lora tool.
 
-Each adapted weight becomes W + scale·B·A, with llama.cpp's scale (alpha / rank, or 1 when
-the adapter's alpha is 0), computed in float32 from the dequantized base weight and
-written in the chosen type; every other tensor is copied byte for byte and every metadata
-key of the base is kept. `same` re-quantizes a merged weight to the base weight's own type:
-gguf's numpy quantizers where they exist (the legacy block types), llama.cpp's own
-quantizer (ggml_quantize_chunk, without an importance matrix) for the K-quants; a type
-neither can write (i-quants need an importance matrix) falls back to f16, and so does
-q8_0 for rows that are not whole 32-value blocks, each said in `notes`.
+Each adapted weight becomes W + scale·B·A (an expert stack: each expert's W_e + scale·B_e·A_e),
+with llama.cpp's scale (alpha / rank, or 1 when the adapter's alpha is 0), computed in
+float32 from the dequantized base weight and written in the chosen type; every other
+tensor is copied byte for byte and every metadata key of the base is kept. `same`
+re-quantizes a merged weight to the base weight's own type: gguf's numpy quantizers where
+they exist (the legacy block types), llama.cpp's own quantizer (ggml_quantize_chunk,
+without an importance matrix) for the K-quants; a type neither can write (i-quants need an
+importance matrix) falls back to f16, and so does q8_0 for rows that are not whole 32-value
+blocks, each said in `notes`.
 
 Memory: tensor data is read with plain file reads, one tensor at a time, never through
 the memory map (its pages would count in the resident set); only the header is mapped.
@@ -166,10 +167,11 @@ def _merged(plan: MergePlan, t: TensorInfo, src) -> np.ndarray:
     raw = np.fromfile(src, dtype=np.uint8, count=t.n_bytes)
     if raw.size != t.n_bytes:
         raise GGUFError(f"{plan.base.path}: changed while merging (ended early)")
-    weight = np.asarray(gguf.quants.dequantize(raw.reshape(t.shape[0], -1), t.qtype), dtype=np.float32)
+    rows = raw.reshape(-1, t.n_bytes // int(np.prod(t.shape[:-1])))  # an expert stack's matrices one under another
+    weight = np.asarray(gguf.quants.dequantize(rows, t.qtype), dtype=np.float32).reshape(t.shape)
     lora = plan.adapter.tensors[t.name]
-    weight += np.float32(plan.scale) * (lora.b @ lora.a)
-    return _quantizer(plan.types[t.name])(weight)
+    weight += np.float32(plan.scale) * (lora.b @ lora.a)  # an expert stack: per expert, B_e A_e
+    return _quantizer(plan.types[t.name])(weight.reshape(-1, t.shape[-1]))
 
 
 def _dequantizable(qtype: QT) -> bool:

@@ -26,6 +26,22 @@ ROPE_STYLE |= {"lfm2": "neox"}
 # fused projections: phi3 stores q, k, v as one attn_qkv and gate, up as one ffn_up
 SUPPORTED_ARCHS += ("phi3",)
 ROPE_STYLE |= {"phi3": "neox"}
+# mixture of experts: qwen3moe is qwen3 attention with a routed FFN in every layer
+SUPPORTED_ARCHS += ("qwen3moe",)
+ROPE_STYLE |= {"qwen3moe": "neox"}
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values (the expert_gating_func key)
+EXPERT_GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+# arch -> the routing llama.cpp's graph fixes for it whatever the file says (None: read the file's
+# key). qwen3moe: softmax, always renormalised, never scaled (its load_hparams reads no scale)
+MOE_ROUTING = {"qwen3moe": dict(gating="softmax", norm=True, scale=1.0, first_dense=0)}
+# RoPE variants: mistral3 is llama with YaRN scaling and attention temperature (Ministral 3, Devstral Small 2)
+SUPPORTED_ARCHS += ("mistral3",)
+ROPE_STYLE |= {"mistral3": "norm"}
+ROPE_SCALINGS = ("none", "linear", "yarn")  # rope.scaling.type values our RotaryTable computes
+# archs whose load_hparams reads rope.scaling.yarn_log_multiplier and attention.temperature_scale (others
+# keep llama.cpp's defaults). No supported arch reads yarn_beta_fast/slow, yarn_ext_factor or yarn_attn_factor
+# (the installed llama.cpp ignores them in a mistral3 file: checked), so those stay at llama.cpp's defaults too
+YARN_KEYS_READ = ("mistral3",)
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,18 @@ class ModelSpec:
     rope_base: float
     rope_freq_scale: float  # 1/linear scaling factor, global layers only
     rope_base_swa: float  # base for sliding-window layers (gemma3)
+    # RoPE scaling, as llama.cpp's context sets it up (llama-context.cpp) and ggml's rope_yarn applies it
+    rope_ext_factor: float  # YaRN: how much of the original angle each pair keeps by its ramp (0 = plain/linear RoPE)
+    rope_attn_factor: float  # llama.cpp's yarn_attn_factor: multiplies cos and sin (and, under YaRN, 1 + 0.1 ln(1/freq_scale) too)
+    rope_yarn_beta_fast: float  # YaRN's correction range (ggml_rope_yarn_corr_dims)
+    rope_yarn_beta_slow: float
+    rope_ctx_orig: int  # n_ctx_orig_yarn: rope.scaling.original_context_length, else context_length
+    # per-pair frequency divisors (tensor names, "" = none): llama.cpp uses the long ones when its context
+    # per sequence exceeds rope_ctx_orig (phi3's rope_factors_long/short); rope_freqs.weight is both
+    rope_factors_short: str
+    rope_factors_long: str
+    attn_temp_scale: float  # 0 = off; else q *= 1 + scale * ln(1 + floor(pos / attn_temp_length)) after RoPE (mistral3)
+    attn_temp_length: int
     # architecture features
     qkv_bias: bool
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (qwen3, gemma3)
@@ -66,6 +94,9 @@ class ModelSpec:
     logit_scale: float  # the logits are divided by this (granite)
     pre_norm: bool  # attn_norm / ffn_norm in front of each branch (olmo2 has only the post-norms)
     qk_norm_full: bool  # the q/k norm spans the whole projection instead of each head (olmo2)
+    # granite: which of attn_output, ffn_gate, ffn_up, ffn_down carry a bias in every layer (llama.cpp
+    # creates each as optional and its granite graph adds it; q/k/v biases are qkv_bias)
+    biased_projections: tuple[str, ...]
     # hybrid stacks (lfm2)
     conv_layers: tuple[bool, ...]  # layers whose mixer is a gated short convolution instead of attention
     conv_kernel: int  # shortconv.l_cache: each convolution sees its token and the conv_kernel - 1 before it (0 = none)
@@ -73,6 +104,15 @@ class ModelSpec:
     # fused projections (phi3); llama.cpp splits both outputs in its graph
     fused_qkv: bool  # blk.N.attn_qkv.weight holds q, k and v stacked, in that order
     fused_gate_up: bool  # blk.N.ffn_up.weight holds gate then up ([2 * n_ff, n_embd]), no ffn_gate
+    # mixture of experts (qwen3moe), routed as llama.cpp's build_moe_ffn (src/llama-graph.cpp) does:
+    # router logits -> gating -> top n_expert_used -> their weights (renormalised, scaled) -> experts
+    moe_layers: tuple[bool, ...]  # layers whose FFN is the mixture (all False: a dense model)
+    n_expert: int  # expert_count (0 = dense)
+    n_expert_used: int  # expert_used_count: experts each token runs through
+    n_ff_exp: int  # expert_feed_forward_length: each expert's hidden width
+    expert_gating: str  # "softmax" over all router logits | "sigmoid" | "softmax_weight" (softmax over the selected logits)
+    expert_weights_norm: bool  # the selected experts' weights divided by their sum
+    expert_weights_scale: float  # then multiplied by this (1 = none)
     chat_template: str | None
 
     @property
@@ -149,6 +189,74 @@ def _vocabulary_size(f: GGUFFile) -> int | None:
     return len(tokens)
 
 
+def _moe_routing(f: GGUFFile, arch: str, n_layer: int) -> dict:
+    """The ModelSpec fields of a mixture of experts (all off for a dense arch). A value
+    MOE_ROUTING fixes for the arch wins over the file's key, as in llama.cpp's graph."""
+    if arch not in MOE_ROUTING:
+        return dict(moe_layers=(False,) * n_layer, n_expert=0, n_expert_used=0, n_ff_exp=0,
+                    expert_gating="softmax", expert_weights_norm=False, expert_weights_scale=1.0)
+    k = lambda key: f"{arch}.{key}"  # noqa: E731
+    fixed = MOE_ROUTING[arch]
+    n_expert = _int(f, k("expert_count"))
+    n_expert_used = _int(f, k("expert_used_count"))
+    if n_expert_used > n_expert:
+        raise GGUFError(f"{f.path}: metadata {k('expert_used_count')} is {n_expert_used}, more than {k('expert_count')} {n_expert}")
+    gating = fixed["gating"]
+    if gating is None:
+        code = _int(f, k("expert_gating_func"))
+        if code not in EXPERT_GATING_FUNCS:
+            raise GGUFError(f"{f.path}: metadata {k('expert_gating_func')} is {code}, not one of {sorted(EXPERT_GATING_FUNCS)}")
+        gating = EXPERT_GATING_FUNCS[code]
+    norm = fixed["norm"] if fixed["norm"] is not None else f.get(k("expert_weights_norm"), False) is True
+    scale = fixed["scale"] if fixed["scale"] is not None else _float(f, k("expert_weights_scale"), 0.0, positive=False) or 1.0
+    first_dense = fixed["first_dense"] if fixed["first_dense"] is not None else _int(f, k("leading_dense_block_count"), 0, minimum=0)
+    return dict(
+        moe_layers=tuple(i >= first_dense for i in range(n_layer)),
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_exp=_int(f, k("expert_feed_forward_length"), 0, minimum=0) or _layer_int(f, k("feed_forward_length"), n_layer) // n_expert_used,
+        expert_gating=gating,
+        expert_weights_norm=norm,
+        expert_weights_scale=scale,
+    )
+
+
+def _get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_scaling(f: GGUFFile, arch: str, scaling: str, factor: float) -> dict:
+    """The RoPE scaling and attention temperature fields, as llama.cpp's load_hparams reads
+    them and its context turns them into ggml_rope_ext's ext_factor and attn_factor. None of
+    them depends on the context size except which frequency factors phi3 uses (Transformer.use_context)."""
+    k = lambda key: f"{arch}.{key}"  # noqa: E731
+    reads_yarn = arch in YARN_KEYS_READ
+    ctx_orig = _int(f, k("rope.scaling.original_context_length"), 0, minimum=0) or _int(f, k("context_length"), 2048)
+    ext_factor = 1.0 if scaling == "yarn" else 0.0
+    attn_factor = 1.0
+    if ext_factor:  # llama.cpp's mscale, divided by the one ggml's rope_yarn multiplies in again
+        log_mul = _float(f, k("rope.scaling.yarn_log_multiplier"), 0.0, positive=False) if reads_yarn else 0.0
+        attn_factor = _get_mscale(factor, 1.0) / _get_mscale(factor, log_mul) if log_mul else _get_mscale(factor, 1.0)
+        attn_factor /= 1.0 + 0.1 * math.log(factor)
+    attn_factor *= _float(f, k("rope.scaling.attn_factor"), 1.0)
+    if "rope_freqs.weight" in f.tensors:  # llama3-style factors: always used
+        short = long = "rope_freqs.weight"
+    else:  # phi3's pair, chosen by context; a missing one means no factors in that case
+        short, long = (name if name in f.tensors else "" for name in ("rope_factors_short.weight", "rope_factors_long.weight"))
+    temp_scale = _float(f, k("attention.temperature_scale"), 0.0, positive=False) if reads_yarn else 0.0
+    return dict(
+        rope_ext_factor=ext_factor,
+        rope_attn_factor=attn_factor,
+        rope_yarn_beta_fast=32.0,
+        rope_yarn_beta_slow=1.0,
+        rope_ctx_orig=ctx_orig,
+        rope_factors_short=short,
+        rope_factors_long=long,
+        attn_temp_scale=temp_scale,
+        attn_temp_length=ctx_orig,  # llama.cpp's mistral3 floors positions by n_ctx_orig_yarn
+    )
+
+
 def read_spec(f: GGUFFile) -> ModelSpec:
     """Every value typed and bounded: a hostile file gets one GGUFError line, never a crash
     or an allocation sized by the file's say-so."""
@@ -178,9 +286,9 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     n_vocab = _int(f, k("vocab_size"), _vocabulary_size(f) or emb.shape[0])
 
     scaling = f.get_str(k("rope.scaling.type"), "none")
-    if scaling not in ("none", "linear"):
-        raise GGUFError(f"{f.path}: rope scaling {scaling[:64]!r} is not supported (supported: none, linear)")
-    factor = (_float(f, k("rope.scaling.factor"), 1.0, positive=False) or 1.0) if scaling == "linear" else 1.0  # 0: unset
+    if scaling not in ROPE_SCALINGS:
+        raise GGUFError(f"{f.path}: rope scaling {scaling[:64]!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
+    factor = (_float(f, k("rope.scaling.factor"), 1.0, positive=False) or 1.0) if scaling != "none" else 1.0  # 0: unset
 
     sliding_window = 0
     swa_layers = (False,) * n_layer
@@ -199,6 +307,7 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     rope_layers = (True,) * n_layer
     embed_scale = math.sqrt(n_embd) if arch in ("gemma2", "gemma3") else 1.0
     attn_logit_softcap, residual_scale, logit_scale = 0.0, 1.0, 1.0
+    biased_projections: tuple[str, ...] = ()
     if arch == "smollm3":  # llama.cpp's n_no_rope_layer_step = 4: layers 3, 7, 11, ... skip RoPE
         rope_layers = tuple((i + 1) % 4 != 0 for i in range(n_layer))
     elif arch == "gemma2":  # a window (4096 unless set) on every even layer, at the global RoPE base
@@ -213,6 +322,7 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         residual_scale = _float(f, k("residual_scale"), 0.0, positive=False) or 1.0
         attn_scale = _float(f, k("attention.scale"), 0.0, positive=False) or attn_scale
         logit_scale = _float(f, k("logit_scale"))
+        biased_projections = tuple(t for t in ("attn_output", "ffn_gate", "ffn_up", "ffn_down") if f"blk.0.{t}.bias" in f.tensors)
         if f.get(k("rope.scaling.finetuned"), True) is False:  # granite's switch for RoPE
             rope_layers = (False,) * n_layer
     elif arch == "olmo2" and _int(f, k("attention.sliding_window"), 0, minimum=0):
@@ -224,14 +334,16 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         raise GGUFError(f"{f.path}: lfm2 with sliding-window attention layers is not supported")
     first_attention = conv_layers.index(False) if not all(conv_layers) else 0  # where q/k biases and norms show
 
+    if arch == "mistral3" and "blk.0.ffn_gate_inp.weight" in f.tensors:
+        raise UnsupportedArchError(f"{f.path}: mistral3 with experts (blk.0.ffn_gate_inp.weight) is not supported")
     # fused projections: phi3. llama.cpp's phi3 hparams switch a sliding window off (it warns
-    # that Phi SWA is disabled), so a window in the file is not applied; long-RoPE factors are not implemented
-    if arch == "phi3" and any(f"rope_factors_{kind}.weight" in f.tensors for kind in ("long", "short")):
-        raise GGUFError(f"{f.path}: phi3 with long-RoPE factors (rope_factors_long/short, e.g. Phi-3.5, Phi-4-mini) is not supported")
+    # that Phi SWA is disabled), so a window in the file is not applied
 
     n_rot = _int(f, k("rope.dimension_count"), head_dim)
     if n_rot > head_dim:
         raise GGUFError(f"{f.path}: metadata {k('rope.dimension_count')} is {n_rot}, more than the head size {head_dim}")
+    if arch == "mistral3" and not n_rot == head_dim == head_dim_v:  # llama.cpp's mistral3 graph asserts it (and aborts the process)
+        raise GGUFError(f"{f.path}: mistral3 needs rope.dimension_count = key_length = value_length, got {n_rot}, {head_dim}, {head_dim_v}")
     return ModelSpec(
         arch=arch,
         name=f.get_str("general.name", f.path.stem),
@@ -249,6 +361,7 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         n_rot=n_rot,
         rope_base=rope_base,
         rope_freq_scale=1.0 / factor,
+        **_rope_scaling(f, arch, scaling, factor),
         rope_base_swa=rope_base_swa,
         qkv_bias=f"blk.{first_attention}.attn_q.bias" in f.tensors,
         qk_norm=f"blk.{first_attention}.attn_q_norm.weight" in f.tensors,
@@ -269,11 +382,13 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         logit_scale=logit_scale,
         pre_norm=arch != "olmo2",
         qk_norm_full=arch == "olmo2",
+        biased_projections=biased_projections,
         conv_layers=conv_layers,
         conv_kernel=conv_kernel,
         final_norm="token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight",
         fused_qkv=f"blk.{first_attention}.attn_qkv.weight" in f.tensors,
         fused_gate_up=arch == "phi3",
+        **_moe_routing(f, arch, n_layer),
         chat_template=f.get_str("tokenizer.chat_template"),
     )
 

@@ -135,6 +135,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, E), spec.final_norm: (E,)}
     if not spec.tied_output:
         shapes["output.weight"] = (spec.n_vocab, E)
+    shapes |= {name: (spec.n_rot // 2,) for name in (spec.rope_factors_short, spec.rope_factors_long) if name}  # RoPE frequency factors
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         shapes |= {
@@ -148,6 +149,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         }
         if spec.qkv_bias:
             shapes |= {p + "attn_q.bias": (spec.n_head * D,), p + "attn_k.bias": (spec.n_head_kv * D,), p + "attn_v.bias": (spec.n_head_kv * Dv,)}
+        shapes |= {p + f"{t}.bias": (spec.n_ff if t in ("ffn_gate", "ffn_up") else E,) for t in spec.biased_projections}  # granite
         if spec.pre_norm:
             shapes |= {p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,)}
         if spec.qk_norm:  # per head, or over the whole projection (olmo2)
@@ -164,6 +166,11 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.fused_gate_up:  # phi3: ffn_up holds gate then up
             del shapes[p + "ffn_gate.weight"]
             shapes[p + "ffn_up.weight"] = (2 * spec.n_ff, E)
+        if spec.moe_layers[i]:  # a mixture: the router and three expert stacks in place of the dense FFN
+            X, Fx = spec.n_expert, spec.n_ff_exp
+            shapes = {n: s for n, s in shapes.items() if n not in (p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight")}
+            shapes |= {p + "ffn_gate_inp.weight": (X, E), p + "ffn_gate_exps.weight": (X, Fx, E),
+                       p + "ffn_up_exps.weight": (X, Fx, E), p + "ffn_down_exps.weight": (X, E, Fx)}
     return shapes
 
 
@@ -173,7 +180,7 @@ def _load_tensors(f: GGUFFile, spec: ModelSpec, mode: str, notes: list[str]):
     once_dequantized: set[str] = set()
     expected = expected_shapes(spec)
     unread_bias = next((name for name in f.tensors if name.endswith(".bias") and name not in expected), None)
-    if unread_bias is not None:  # e.g. a granite with output biases: ignoring it would give other logits silently
+    if unread_bias is not None:  # e.g. an attn_output bias on gemma2: ignoring it would give other logits silently
         raise UnsupportedArchError(
             f"{f.path}: tensor {unread_bias} is a bias our {spec.arch} forward does not apply; this variant is not supported"
         )
@@ -206,7 +213,7 @@ def _frozen(f: GGUFFile, t: TensorInfo, once_dequantized: set[str]) -> FrozenWei
     elif t.qtype not in CODECS:
         once_dequantized.add(t.qtype.name)
         data = torch.from_numpy(_numpy_f32(f, t))
-    return FrozenWeight(t.name, data.reshape(t.shape[0], -1), t.qtype, t.shape)  # type: ignore[arg-type]
+    return FrozenWeight(t.name, data.reshape(-1, data.shape[-1]), t.qtype, t.shape)  # an expert stack: one matrix of its rows
 
 
 def _numpy_f32(f: GGUFFile, t: TensorInfo) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The whole decoder, top to bottom: norm, RoPE, attention, MLP, block, model.
 
 It computes what llama.cpp computes for the same GGUF (src/models/{llama,qwen2,qwen3,
-gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2,phi3}.cpp); architecture differences are ModelSpec
+gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2,phi3,mistral3}.cpp); architecture differences are ModelSpec
 fields. The residual stream, norms and RoPE run in float32; matmuls and attention run in
 `compute_dtype` (float32 or bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
 
@@ -19,8 +19,10 @@ Layout), H query heads, K kv heads, D head size, E n_embd, P tokens of a past pr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,23 +66,36 @@ class FrozenLinear(nn.Module):
 
 
 class RotaryTable:
-    """cos/sin of the rotation angles, computed the way ggml's rope_cache_init does:
-    theta starts at the position and is multiplied by base^(-2/n_rot) once per pair, in
-    float32, so our angles carry llama.cpp's rounding."""
+    """cos/sin of the rotation angles, computed the way ggml's rope_cache_init and rope_yarn
+    do: theta starts at the position and is multiplied by base^(-2/n_rot) once per pair, in
+    float32, so our angles carry llama.cpp's rounding. Each pair's angle is divided by its
+    frequency factor (llama3's rope_freqs, phi3's long-RoPE factors) and multiplied by
+    freq_scale; under YaRN (ext_factor > 0) the fast pairs, below ggml's correction range,
+    keep their unscaled angle by a linear ramp. cos and sin carry the magnitude `mscale`."""
 
-    def __init__(self, n_rot: int, base: float, freq_scale: float):
-        self.n_rot, self.base, self.freq_scale = n_rot, base, freq_scale
+    def __init__(self, n_rot: int, base: float, freq_scale: float, *, factors: torch.Tensor | None = None,
+                 ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0, ctx_orig: int = 0):
+        self.n_rot, self.base, self.freq_scale, self.factors = n_rot, base, freq_scale, factors
+        self.mix = _yarn_ramp(n_rot, base, beta_fast, beta_slow, ctx_orig) * ext_factor if ext_factor else None
+        f32 = np.float32
+        self.mscale = float(f32(attn_factor) * (f32(1) + f32(0.1) * np.log(f32(1) / f32(freq_scale)))) if ext_factor else attn_factor
         self.cos = self.sin = torch.empty(0, n_rot // 2)
 
     def _build(self, n_pos: int) -> None:
         step = torch.tensor(self.base, dtype=torch.float64).pow(-2.0 / self.n_rot).float()
         theta = torch.arange(n_pos, dtype=torch.float32)
         cols = []
-        for _ in range(self.n_rot // 2):
-            cols.append(theta * self.freq_scale)
+        for i in range(self.n_rot // 2):
+            extrapolated = theta if self.factors is None else theta / self.factors[i]
+            angle = extrapolated * self.freq_scale
+            if self.mix is not None:
+                angle = angle * (1 - self.mix[i]) + extrapolated * self.mix[i]
+            cols.append(angle)
             theta = theta * step
         angles = torch.stack(cols, dim=-1)  # [P, n_rot/2]
         self.cos, self.sin = angles.cos(), angles.sin()
+        if self.mscale != 1.0:
+            self.cos, self.sin = self.cos * self.mscale, self.sin * self.mscale
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n_pos = int(positions.max()) + 1
@@ -89,6 +104,26 @@ class RotaryTable:
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions], self.sin[positions]  # [T, n_rot/2]
+
+
+def _yarn_ramp(n_rot: int, base: float, beta_fast: float, beta_slow: float, ctx_orig: int) -> torch.Tensor:
+    """[n_rot/2] float32: the share of its unscaled angle each pair keeps under YaRN, 1 for
+    pairs that turn more than beta_fast times over the original context, 0 for those under
+    beta_slow, linear between (ggml_rope_yarn_corr_dims and rope_yarn_ramp, in float32)."""
+    f32 = np.float32
+
+    def corr_dim(beta: float) -> np.float32:
+        return f32(n_rot) * np.log(f32(ctx_orig) / (f32(beta) * f32(2) * f32(math.pi))) / (f32(2) * np.log(f32(base)))
+
+    low, high = max(0.0, math.floor(corr_dim(beta_fast))), min(n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
+    pair = torch.arange(n_rot // 2, dtype=torch.float32)
+    return 1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)
+
+
+def attention_temperature(positions: torch.Tensor, scale: float, length: int) -> torch.Tensor:
+    """[T] float32 factors for the queries at `positions` (llama.cpp's build_inp_attn_scale,
+    mistral3/llama4 temperature tuning): 1 + scale * ln(1 + floor(pos / length))."""
+    return (torch.log(torch.floor(positions.double() / length) + 1.0) * scale + 1.0).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
@@ -181,6 +216,7 @@ class _Pass:
     mask_local: torch.Tensor | None
     past: Past | None = None
     capture: Past | None = None
+    attn_temp: torch.Tensor | None = None  # [T] query factors (spec.attn_temp_scale)
 
 
 class Attention(nn.Module):
@@ -221,6 +257,8 @@ class Attention(nn.Module):
             cos, sin = rope
             q = apply_rope(q, cos, sin, self.rope_style)
             k = apply_rope(k, cos, sin, self.rope_style)
+        if p.attn_temp is not None:  # mistral3: each query scaled by its position's temperature
+            q = q * p.attn_temp[:, None, None]
         if p.capture is not None:  # assigned, not appended: a checkpointed block runs twice
             p.capture.keys[self.index], p.capture.values[self.index] = k, v
         if p.past is not None:  # the past's slots come first; their queries are zeros whose outputs nobody reads
@@ -335,12 +373,12 @@ class _GatedProduct(torch.autograd.Function):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, spec: ModelSpec, i: int, w: dict[str, FrozenWeight]):
+    def __init__(self, spec: ModelSpec, i: int, w: dict[str, FrozenWeight], vec: dict[str, torch.Tensor]):
         super().__init__()
-        p = f"blk.{i}."
-        self.ffn_gate = None if spec.fused_gate_up else FrozenLinear(w[p + "ffn_gate.weight"], None)
-        self.ffn_up = FrozenLinear(w[p + "ffn_up.weight"], None)  # phi3: gate then up, halves of one output
-        self.ffn_down = FrozenLinear(w[p + "ffn_down.weight"], None)
+        p = f"blk.{i}."  # biases: granite's optional ones
+        self.ffn_gate = None if spec.fused_gate_up else FrozenLinear(w[p + "ffn_gate.weight"], vec.get(p + "ffn_gate.bias"))
+        self.ffn_up = FrozenLinear(w[p + "ffn_up.weight"], vec.get(p + "ffn_up.bias"))  # phi3: gate then up, halves of one output
+        self.ffn_down = FrozenLinear(w[p + "ffn_down.weight"], vec.get(p + "ffn_down.bias"))
         self.act = spec.ffn_act
 
     def forward(self, x, compute_dtype):
@@ -357,7 +395,12 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(vec[p + "attn_norm.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
         self.attn = ShortConv(spec, i, w, vec) if spec.conv_layers[i] else Attention(spec, i, w, vec)
         self.ffn_norm = RMSNorm(vec[p + "ffn_norm.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
-        self.ffn = FeedForward(spec, i, w)
+        if spec.moe_layers[i]:  # a mixture of experts in place of the dense FFN
+            from retrograd.model.moe import MoEFeedForward  # here: moe builds on this module's parts
+
+            self.ffn = MoEFeedForward(spec, i, w, vec)
+        else:
+            self.ffn = FeedForward(spec, i, w, vec)
         # gemma2/gemma3/olmo2's sandwich norms: one more RMSNorm on each branch's output
         self.post_attention_norm = RMSNorm(vec[p + "post_attention_norm.weight"], spec.norm_eps) if spec.sandwich_norm else None
         self.post_ffw_norm = RMSNorm(vec[p + "post_ffw_norm.weight"], spec.norm_eps) if spec.sandwich_norm else None
@@ -386,13 +429,29 @@ class Transformer(nn.Module):
         # granite divides its logits by logit_scale; every logit path (head, chunked log-probs)
         # is linear in the final hidden state, so the final norm's weight takes the division
         self.output_norm = RMSNorm(vectors[spec.final_norm] / spec.logit_scale, spec.norm_eps)
-        self.rope_global = RotaryTable(spec.n_rot, spec.rope_base, spec.rope_freq_scale)
+        # RoPE frequency factors as (short, long): which one llama.cpp uses depends on its context (use_context)
+        self.rope_factors = tuple(vectors.get(name) for name in (spec.rope_factors_short, spec.rope_factors_long))
+        self.rope_global = self._global_rotary_table(self.rope_factors[0])
         self.rope_local = RotaryTable(spec.n_rot, spec.rope_base_swa, 1.0)
         self.compute_dtype = torch.float32
         # gradient checkpointing: keep only every `checkpoint_every`-th block input, stored in
         # checkpoint_dtype, and recompute the blocks in between during backward (0 = off)
         self.checkpoint_every = 0
         self.checkpoint_dtype = torch.float32
+
+    def _global_rotary_table(self, factors: torch.Tensor | None) -> RotaryTable:
+        s = self.spec
+        return RotaryTable(s.n_rot, s.rope_base, s.rope_freq_scale, factors=factors, ext_factor=s.rope_ext_factor,
+                           attn_factor=s.rope_attn_factor, beta_fast=s.rope_yarn_beta_fast, beta_slow=s.rope_yarn_beta_slow,
+                           ctx_orig=s.rope_ctx_orig)
+
+    def use_context(self, n_ctx: int) -> None:
+        """Rotate as llama.cpp does in a context of n_ctx tokens per sequence: it pads that to a
+        multiple of 256 and uses the long frequency factors (phi3) when the padded size exceeds
+        the original context (llama_model::get_rope_factors); until this is called, the short
+        ones. Training calls it with [training] ctx, the context the rollout sampler gets too."""
+        padded = -(-n_ctx // 256) * 256
+        self.rope_global = self._global_rotary_table(self.rope_factors[padded > self.spec.rope_ctx_orig])
 
     def to_device(self, device: torch.device) -> Transformer:
         """Move frozen weights (plain attributes, not buffers) and buffers to `device`."""
@@ -430,6 +489,7 @@ class Transformer(nn.Module):
             self.rope_local(positions) if sliding else None,
             layout.window_mask(self.spec.sliding_window) if sliding else None,
             past, capture,
+            attention_temperature(positions, self.spec.attn_temp_scale, self.spec.attn_temp_length) if self.spec.attn_temp_scale else None,
         )
         if capture is not None:
             capture.keys[:] = [None] * len(self.blocks)

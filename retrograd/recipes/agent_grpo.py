@@ -139,8 +139,10 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     task = open_task(cfg)
     try:
         setup = prepare(cfg, reporter, task.chat)
+        options = sampler_options(cfg)
+        setup.model.transformer.use_context(options.n_ctx)  # phi3's RoPE factors as the sampler's context picks them
         t0, r0 = time.perf_counter(), rss_bytes()
-        with Sampler(setup.model.path, sampler_options(cfg)) as sampler:
+        with Sampler(setup.model.path, options) as sampler:
             reporter.message(f"sampler: llama.cpp on {sampler.placement.describe()}")
             init = setup.timings | {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}
             loop = AgentLoop(cfg, setup, sampler, task, reporter)

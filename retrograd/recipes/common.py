@@ -151,6 +151,7 @@ def load_base(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Base:
     reporter.message("loading model")
     t0, r0 = time.perf_counter(), rss_bytes()
     model = load_model(cfg.model.path, weights=cfg.model.weights, compute_dtype=precision, device=device, tokenizer=chat.tokenizer)
+    model.transformer.use_context(t.ctx)  # RoPE factors (phi3) as llama.cpp picks them for the sampler's context
     timings = {"model load": (time.perf_counter() - t0, rss_bytes() - r0)}
     reporter.message(f"model loaded in {timings['model load'][0]:.1f} s: {model.path.name} ({model.spec.arch}, {precision} compute)")
     reporter.message(f"weights: {model.weights_choice}")

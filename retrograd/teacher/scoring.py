@@ -105,6 +105,7 @@ class TorchTeacher:
     @classmethod
     def open(cls, path: Path, options: TeacherOptions) -> TorchTeacher:
         model = load_model(path, weights=options.weights, compute_dtype=options.compute_dtype, device=options.device)
+        model.transformer.use_context(options.n_ctx)  # phi3's RoPE factors as llama.cpp would pick them for this context
         return cls(model, options)
 
     def score(self, rollouts: Sequence[Rollout], topk: int = 0) -> list[TeacherScores]:

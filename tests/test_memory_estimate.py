@@ -1,0 +1,46 @@
+"""retrograd.memory.activation_bytes (preflight's "activations" line) against what autograd
+really keeps: the bytes of every tensor saved for backward in one forward, counted once per
+storage and without the model's own weights."""
+
+import pytest
+import torch
+
+import retrograd
+from retrograd.lora import attach_lora
+from retrograd.memory import activation_bytes
+from retrograd.model.transformer import Layout
+
+
+def saved_for_backward(transformer, ids: torch.Tensor, layout: Layout) -> int:
+    weights = {w.data.untyped_storage().data_ptr() for w in transformer.frozen_weights()}
+    weights |= {t.untyped_storage().data_ptr() for t in (*transformer.parameters(), *transformer.buffers())}
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        transformer(ids, layout)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("row", [1024, 256])
+def test_gemma2_estimate_counts_its_soft_capped_score_matrices(tiny_model, row):
+    """1024 tokens as one row, or packed as four rows of 256: gemma2's soft-capped attention keeps
+    two float32 [heads, row, row] matrices per layer (tanh's and softmax's outputs), most of the
+    activations at row 1024; the estimate must follow the row length within 25%."""
+    model = retrograd.load_model(tiny_model("gemma2"))
+    spec = model.spec
+    attach_lora(model.transformer, ["auto"], 4, 8.0, seed=0)
+    n = 1024
+    rows = [list(range(start, start + row)) for start in range(0, n, row)]
+    layout = Layout.from_rows(rows, [i % row for i in range(n)], [(r, j) for r in range(len(rows)) for j in range(row)])
+    measured = saved_for_backward(model.transformer, torch.arange(100, 100 + n), layout)
+    scores = 2 * spec.n_head * n * row * 4 * spec.n_layer
+    if row == n:
+        assert scores > 0.75 * measured  # the score matrices dominate
+    estimate = activation_bytes(spec, n, 4, 4, row_length=row)
+    assert 0.8 <= estimate / measured <= 1.25, (estimate, measured)
