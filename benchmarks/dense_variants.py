@@ -43,6 +43,13 @@ SHAPE = dict(n_layer=4, n_embd=256, n_head=8, n_head_kv=2, head_dim=32, n_ff=768
 # from 4x llama's FFN weights (8 experts)
 ARCHS += ("qwen3moe",)
 SHAPE_OF = {"qwen3moe": dict(experts=(8, 2, 384))}
+# lfm2moe: lfm2's conv layers (0 and 2), a dense FFN in layer 0, mixtures as qwen3moe's in the rest (sigmoid, selection bias)
+ARCHS += ("lfm2moe",)
+SHAPE_OF |= {"lfm2moe": dict(experts=(8, 2, 384))}
+# gpt-oss: attention with sinks (explicit, not SDPA), a 16-token window on layers 0 and 2, YaRN, biases on q/k/v/o,
+# router and experts, mixtures as qwen3moe's (softmax over the picked, clamped SwiGLU)
+ARCHS += ("gpt-oss",)
+SHAPE_OF |= {"gpt-oss": dict(experts=(8, 2, 384))}
 
 
 def train_step(path: Path, n_tokens: int):

@@ -53,7 +53,7 @@ class CapabilityReport:
             f"parameters     {self.n_params:,} ({self.n_params / 1e6:.1f} M)",
             f"layers         {s.n_layer}",
             f"heads          {s.n_head} query / {s.n_head_kv} key-value, head size {s.head_dim}",
-            f"dimensions     embedding {s.n_embd}, feed-forward {s.n_ff} ({s.ffn_act})",
+            f"dimensions     embedding {s.n_embd}, feed-forward {_feed_forward(s)} ({s.ffn_act})",
             f"context        {s.context_length} tokens",
             f"vocabulary     {s.n_vocab} tokens",
             f"rope           {rope}",
@@ -65,9 +65,11 @@ class CapabilityReport:
         if s.n_expert:
             routing = s.expert_gating + (", renormalised" if s.expert_weights_norm else "")
             routing += f", scaled by {s.expert_weights_scale:g}" if s.expert_weights_scale != 1.0 else ""
+            routing += ", picked with a selection bias" if s.expert_selection_bias else ""
             out.append(
                 f"experts        {s.n_expert_used} of {s.n_expert} per token ({routing}), each {s.n_ff_exp} wide, on {sum(s.moe_layers)} "
-                f"of {s.n_layer} layers; ffn_up/ffn_gate/ffn_down adapt the expert stacks, a LoRA pair per expert"
+                f"of {s.n_layer} layers; ffn_up/ffn_gate/ffn_down adapt the expert stacks, a LoRA pair per expert; "
+                "the router by name (blk.*.ffn_gate_inp.weight)"
             )
         out += [
             f"output head    {'tied to token_embd' if s.tied_output else 'output.weight'}",
@@ -79,6 +81,16 @@ class CapabilityReport:
         targets = ", ".join(f"{alias} ({n})" for alias, n in self.lora_targets)
         out += [f"lora targets   {targets}", f"device         {self.device}"]
         return out
+
+
+def _feed_forward(s: ModelSpec) -> str:
+    """The FFN's hidden width: a mixture's is each expert's (expert_feed_forward_length), and
+    leading dense layers (lfm2moe) keep feed_forward_length."""
+    n_moe = sum(s.moe_layers)
+    if not n_moe:
+        return str(s.n_ff)
+    experts, n_dense = f"{s.n_ff_exp} per expert", s.n_layer - n_moe
+    return experts if not n_dense else f"{s.n_ff} on {n_dense} dense layer{'s' * (n_dense > 1)}, {experts} on {n_moe}"
 
 
 def _mib(n: int) -> str:

@@ -39,8 +39,12 @@ FUSED_FAMILIES = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qk
 # projections no alias covers, targetable by name: lfm2's conv projections (llama.cpp's lfm2
 # graph multiplies both through build_lora_mm, so an adapter on them applies there too)
 NAMED_TARGETS = ("blk.*.shortconv.in_proj.weight", "blk.*.shortconv.out_proj.weight")
+# and a mixture's router: llama.cpp's build_moe_ffn multiplies ffn_gate_inp through build_lora_mm too
+# (checked: an adapter on it gives our logits in llama.cpp, tests/test_arch_lfm2moe.py)
+NAMED_TARGETS += ("blk.*.ffn_gate_inp.weight",)
 # a mixture of experts' stacks (blk.N.ffn_*_exps.weight) that an FFN alias adapts as well, with
-# a LoRA pair per expert: llama.cpp applies them (build_lora_mm_id). The router (ffn_gate_inp) is no alias's.
+# a LoRA pair per expert: llama.cpp applies them (build_lora_mm_id). The router (ffn_gate_inp) is no alias's:
+# it goes by name (NAMED_TARGETS).
 EXPERT_FAMILIES = {"ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps", "ffn_gate": "ffn_gate_exps"}
 
 

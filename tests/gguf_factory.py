@@ -46,7 +46,12 @@ TINY_ARCHS = {
     # (2 used, each 32 wide); a router gain that keeps the picks far from ties
     "qwen3moe": dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=False,
                      qk_norm=True, experts=(4, 2, 32)),
-    # RoPE variants; `meta` keys are written as {arch}.{key} (str, int as uint32, float as float32).
+    # lfm2moe: lfm2's hybrid stack (conv layers 0 and 2, attention in 1 and 3) with a dense FFN in layer 0
+    # (leading_dense_block_count 1) and a mixture in the rest: 4 experts, 2 used, sigmoid gating
+    # (expert_gating_func 2) and a selection bias exp_probs_b of spread 0.5, enough to change picks
+    "lfm2moe": dict(arch="lfm2moe", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=False, qk_norm=True,
+                    conv_layers=(0, 2), conv_kernel=3, experts=(4, 2, 32), dense_lead=1, gating=2, selection_bias=0.5),
+    # RoPE variants; `meta` keys are written as {arch}.{key} (str, bool, int as uint32, float as float32, tuple as array).
     # mistral3: YaRN (factor 4 over an original context of 64, so the ramp spans pairs 0 to 5 of 16)
     # with a log multiplier, attention temperature, which binds from position 64 on, and YaRN betas
     # that llama.cpp's mistral3 does not read; head size 32 != 64 / 4
@@ -54,6 +59,13 @@ TINY_ARCHS = {
                      meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64,
                            "rope.scaling.yarn_beta_fast": 16.0, "rope.scaling.yarn_beta_slow": 2.0,
                            "rope.scaling.yarn_log_multiplier": 0.5, "attention.temperature_scale": 0.5}),
+    # gpt-oss: q/k/v/o biases, a learned sink per head, a window of 16 on even layers, YaRN (on both
+    # kinds of layer), and in every layer a biased router over 4 biased experts (2 used, softmax over the
+    # picked), post_attention_norm before the FFN; expert gain 4 so the clamped SwiGLU's limit of 7 binds
+    "gpt-oss": dict(arch="gpt-oss", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=False,
+                    bias=True, layer_biases=("attn_output",), sinks=True, window=16, experts=(4, 2, 32), expert_bias=True,
+                    expert_gain=4.0, ffn_norm="post_attention_norm",
+                    meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}),
     # llama with YaRN (llama.cpp's default betas and magnitude)
     "llama-yarn": dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=False,
                        meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}),
@@ -105,6 +117,10 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_used)
         w.add_expert_feed_forward_length(n_ff_exp)
+    if h.get("dense_lead"):  # layers before this one keep a dense FFN
+        w.add_leading_dense_block_count(h["dense_lead"])
+    if h.get("gating"):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType(h["gating"]))
     w.add_head_count(H)
     conv_layers = h.get("conv_layers", ())
     w.add_head_count_kv([0 if i in conv_layers else K for i in range(L)] if conv_layers else K)  # lfm2: 0 for a conv layer
@@ -121,7 +137,9 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
     for key, value in h.get("floats", {}).items():
         w.add_float32(f"{arch}.{key}", value)
     for key, value in extra_meta.items():
-        add = w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32
+        add = (w.add_string if isinstance(value, str) else w.add_bool if isinstance(value, bool)
+               else w.add_uint32 if isinstance(value, int) else w.add_float32)
+        add = w.add_array if isinstance(value, tuple) else add  # e.g. gpt-oss's sliding_window_pattern, one flag per layer
         add(f"{arch}.{key}", value)
 
     def mat(rows, cols, gain=1.0):
@@ -137,7 +155,7 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
             w.add_tensor(name_, arr)
 
     put("token_embd.weight", rng.standard_normal((n_vocab, E)).astype(np.float32))
-    w.add_tensor("token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight", vec(E))
+    w.add_tensor("token_embd_norm.weight" if arch in ("lfm2", "lfm2moe") else "output_norm.weight", vec(E))
     if not h["tied"]:
         put("output.weight", mat(n_vocab, E, gain=3.0))
     for i in range(L):
@@ -159,24 +177,35 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
             if h.get("bias"):
                 for t, n in (("q", H * D), ("k", K * D), ("v", K * D)):
                     w.add_tensor(p + f"attn_{t}.bias", vec(n, 0.0, 0.5))
+            for t in h.get("layer_biases", ()):  # attn_output (gpt-oss)
+                w.add_tensor(p + f"{t}.bias", vec(E, 0.0, 0.5))
+            if h.get("sinks"):  # gpt-oss: one logit per head in each softmax's denominator
+                w.add_tensor(p + "attn_sinks.weight", vec(H, 0.0, 1.0))
             if h.get("qk_norm"):
                 full = h["qk_norm"] == "full"
                 w.add_tensor(p + "attn_q_norm.weight", vec(H * D if full else D))
                 w.add_tensor(p + "attn_k_norm.weight", vec(K * D if full else D))
         if h.get("pre_norm", True):
-            w.add_tensor(p + "ffn_norm.weight", vec(E))
-        if h.get("experts"):  # a router and stacks [n_expert, rows, cols] of expert matrices
-            X, Fx = h["experts"][0], h["experts"][2]
+            w.add_tensor(p + h.get("ffn_norm", "ffn_norm") + ".weight", vec(E))  # gpt-oss: post_attention_norm
+        moe = h.get("experts") and i >= h.get("dense_lead", 0)
+        if moe:  # a router and stacks [n_expert, rows, cols] of expert matrices
+            X, Fx, gain = h["experts"][0], h["experts"][2], h.get("expert_gain", 1.0)
             put(p + "ffn_gate_inp.weight", mat(X, E, gain=4.0))
-            put(p + "ffn_gate_exps.weight", np.stack([mat(Fx, E) for _ in range(X)]))
-            put(p + "ffn_up_exps.weight", np.stack([mat(Fx, E) for _ in range(X)]))
+            put(p + "ffn_gate_exps.weight", np.stack([mat(Fx, E, gain) for _ in range(X)]))
+            put(p + "ffn_up_exps.weight", np.stack([mat(Fx, E, gain) for _ in range(X)]))
             put(p + "ffn_down_exps.weight", np.stack([mat(E, Fx) for _ in range(X)]))
+            if h.get("selection_bias"):  # lfm2moe: added to the gated values the pick sorts
+                w.add_tensor(p + "exp_probs_b.bias", vec(X, 0.0, h["selection_bias"]))
+            if h.get("expert_bias"):  # gpt-oss: the router's bias and each expert's [n_expert, rows]
+                w.add_tensor(p + "ffn_gate_inp.bias", vec(X, 0.0, 1.0))
+                for t, n in (("gate", Fx), ("up", Fx), ("down", E)):
+                    w.add_tensor(p + f"ffn_{t}_exps.bias", (0.5 * rng.standard_normal((X, n))).astype(np.float32))
         elif h.get("fused"):  # phi3: gate then up in one matrix
             put(p + "ffn_up.weight", np.concatenate([mat(F, E), mat(F, E)]))
         else:
             put(p + "ffn_gate.weight", mat(F, E))
             put(p + "ffn_up.weight", mat(F, E))
-        if not h.get("experts"):
+        if not moe:
             put(p + "ffn_down.weight", mat(E, F))
         if arch in SANDWICH_NORMS:
             w.add_tensor(p + "post_attention_norm.weight", vec(E))

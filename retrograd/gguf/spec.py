@@ -34,6 +34,14 @@ EXPERT_GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 # arch -> the routing llama.cpp's graph fixes for it whatever the file says (None: read the file's
 # key). qwen3moe: softmax, always renormalised, never scaled (its load_hparams reads no scale)
 MOE_ROUTING = {"qwen3moe": dict(gating="softmax", norm=True, scale=1.0, first_dense=0)}
+# lfm2moe: lfm2's hybrid stack, dense FFNs in the first leading_dense_block_count layers, then a
+# mixture gated as expert_gating_func says (sigmoid in LFM2-8B-A1B), always renormalised, never scaled
+# (the installed llama.cpp reads neither expert_weights_norm nor expert_weights_scale: test_arch_lfm2moe), with a
+# per-expert selection bias blk.N.exp_probs_b.bias added to the values the pick sorts, not to the weights
+SUPPORTED_ARCHS += ("lfm2moe",)
+ROPE_STYLE |= {"lfm2moe": "neox"}
+MOE_ROUTING |= {"lfm2moe": dict(gating=None, norm=True, scale=1.0, first_dense=None, selection_bias=True)}
+HYBRID_ARCHS = ("lfm2", "lfm2moe")  # conv and attention layers, told apart by head_count_kv
 # RoPE variants: mistral3 is llama with YaRN scaling and attention temperature (Ministral 3, Devstral Small 2)
 SUPPORTED_ARCHS += ("mistral3",)
 ROPE_STYLE |= {"mistral3": "norm"}
@@ -42,6 +50,12 @@ ROPE_SCALINGS = ("none", "linear", "yarn")  # rope.scaling.type values our Rotar
 # keep llama.cpp's defaults). No supported arch reads yarn_beta_fast/slow, yarn_ext_factor or yarn_attn_factor
 # (the installed llama.cpp ignores them in a mistral3 file: checked), so those stay at llama.cpp's defaults too
 YARN_KEYS_READ = ("mistral3",)
+# gpt-oss: q/k/v/o biases and a learned sink logit per head, a window on alternate layers, YaRN on every
+# layer; a mixture in every layer, routed by a softmax over the picked (biased) router logits, neither
+# renormalised nor scaled (llama.cpp's graph fixes all three), biased experts with OpenAI's clamped SwiGLU
+SUPPORTED_ARCHS += ("gpt-oss",)
+ROPE_STYLE |= {"gpt-oss": "neox"}
+MOE_ROUTING |= {"gpt-oss": dict(gating="softmax_weight", norm=False, scale=1.0, first_dense=0, biases=True)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,7 @@ class ModelSpec:
     rope_base: float
     rope_freq_scale: float  # 1/linear scaling factor, global layers only
     rope_base_swa: float  # base for sliding-window layers (gemma3)
+    rope_freq_scale_swa: float  # their freq_scale: llama.cpp's default is the global one; gemma3's is 1
     # RoPE scaling, as llama.cpp's context sets it up (llama-context.cpp) and ggml's rope_yarn applies it
     rope_ext_factor: float  # YaRN: how much of the original angle each pair keeps by its ramp (0 = plain/linear RoPE)
     rope_attn_factor: float  # llama.cpp's yarn_attn_factor: multiplies cos and sin (and, under YaRN, 1 + 0.1 ln(1/freq_scale) too)
@@ -113,6 +128,11 @@ class ModelSpec:
     expert_gating: str  # "softmax" over all router logits | "sigmoid" | "softmax_weight" (softmax over the selected logits)
     expert_weights_norm: bool  # the selected experts' weights divided by their sum
     expert_weights_scale: float  # then multiplied by this (1 = none)
+    expert_selection_bias: bool  # blk.N.exp_probs_b.bias [n_expert] is added to the gated values the pick sorts (lfm2moe)
+    # gpt-oss
+    expert_biases: bool  # the router (ffn_gate_inp.bias [n_expert]) and each expert (ffn_*_exps.bias [n_expert, n_out]) add biases
+    attn_sinks: bool  # blk.N.attn_sinks.weight [n_head]: a learned logit per head that joins each softmax's denominator
+    ffn_norm: str  # the norm in front of the FFN, blk.N.<ffn_norm>.weight (gpt-oss stores it as post_attention_norm)
     chat_template: str | None
 
     @property
@@ -194,7 +214,8 @@ def _moe_routing(f: GGUFFile, arch: str, n_layer: int) -> dict:
     MOE_ROUTING fixes for the arch wins over the file's key, as in llama.cpp's graph."""
     if arch not in MOE_ROUTING:
         return dict(moe_layers=(False,) * n_layer, n_expert=0, n_expert_used=0, n_ff_exp=0,
-                    expert_gating="softmax", expert_weights_norm=False, expert_weights_scale=1.0)
+                    expert_gating="softmax", expert_weights_norm=False, expert_weights_scale=1.0, expert_selection_bias=False,
+                    expert_biases=False)
     k = lambda key: f"{arch}.{key}"  # noqa: E731
     fixed = MOE_ROUTING[arch]
     n_expert = _int(f, k("expert_count"))
@@ -218,7 +239,25 @@ def _moe_routing(f: GGUFFile, arch: str, n_layer: int) -> dict:
         expert_gating=gating,
         expert_weights_norm=norm,
         expert_weights_scale=scale,
+        expert_selection_bias=fixed.get("selection_bias", False),
+        expert_biases=fixed.get("biases", False),
     )
+
+
+def _swa_pattern(f: GGUFFile, key: str, n_layer: int, default_period: int) -> tuple[bool, ...]:
+    """Which layers slide, as llama.cpp reads `key`: one flag per layer, or a period p (layer i
+    slides when i % p < p - 1; 0: every layer). llama.cpp asserts (aborting the process) that one does."""
+    if f.array_length(key) is not None:
+        flags = f.get(key)
+        if len(flags) != n_layer:
+            raise GGUFError(f"{f.path}: {key} has {len(flags)} entries for {n_layer} layers")
+        layers = tuple(bool(v) for v in flags)
+    else:
+        period = _int(f, key, default_period, minimum=0)
+        layers = tuple(period == 0 or i % period < period - 1 for i in range(n_layer))
+    if not any(layers):
+        raise GGUFError(f"{f.path}: metadata {key} leaves no sliding-window layer, which llama.cpp cannot run")
+    return layers
 
 
 def _get_mscale(scale: float, mscale: float) -> float:
@@ -273,7 +312,7 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         raise GGUFError(f"{f.path}: metadata {k('block_count')} is {n_layer}, but the file has only {len(f.tensors)} tensors")
     n_embd = _int(f, k("embedding_length"))
     n_head = _layer_int(f, k("attention.head_count"), n_layer)
-    n_head_kv, conv_layers = _kv_heads_and_conv_layers(f, k("attention.head_count_kv"), n_layer, n_head, hybrid=arch == "lfm2")
+    n_head_kv, conv_layers = _kv_heads_and_conv_layers(f, k("attention.head_count_kv"), n_layer, n_head, hybrid=arch in HYBRID_ARCHS)
     n_ff = _layer_int(f, k("feed_forward_length"), n_layer)
     head_dim = _int(f, k("attention.key_length"), max(n_embd // n_head, 1))
     head_dim_v = _int(f, k("attention.value_length"), head_dim)
@@ -327,11 +366,16 @@ def read_spec(f: GGUFFile) -> ModelSpec:
             rope_layers = (False,) * n_layer
     elif arch == "olmo2" and _int(f, k("attention.sliding_window"), 0, minimum=0):
         raise GGUFError(f"{f.path}: olmo2 with sliding-window layers (OLMo 3) is not supported")
+    elif arch == "gpt-oss":  # the window is required; its own RoPE base when the file sets one; an attn_output bias
+        sliding_window = _int(f, k("attention.sliding_window"))
+        swa_layers = _swa_pattern(f, k("attention.sliding_window_pattern"), n_layer, default_period=2)
+        rope_base_swa = _float(f, k("rope.freq_base_swa"), rope_base)
+        biased_projections = ("attn_output",)
 
     # hybrid stacks: lfm2's gated short-convolution layers
-    conv_kernel = _int(f, k("shortconv.l_cache"), minimum=2) if arch == "lfm2" else 0
-    if arch == "lfm2" and _int(f, k("attention.sliding_window"), 0, minimum=0):
-        raise GGUFError(f"{f.path}: lfm2 with sliding-window attention layers is not supported")
+    conv_kernel = _int(f, k("shortconv.l_cache"), minimum=2) if arch in HYBRID_ARCHS else 0
+    if arch in HYBRID_ARCHS and _int(f, k("attention.sliding_window"), 0, minimum=0):
+        raise GGUFError(f"{f.path}: {arch} with sliding-window attention layers is not supported")
     first_attention = conv_layers.index(False) if not all(conv_layers) else 0  # where q/k biases and norms show
 
     if arch == "mistral3" and "blk.0.ffn_gate_inp.weight" in f.tensors:
@@ -342,8 +386,8 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     n_rot = _int(f, k("rope.dimension_count"), head_dim)
     if n_rot > head_dim:
         raise GGUFError(f"{f.path}: metadata {k('rope.dimension_count')} is {n_rot}, more than the head size {head_dim}")
-    if arch == "mistral3" and not n_rot == head_dim == head_dim_v:  # llama.cpp's mistral3 graph asserts it (and aborts the process)
-        raise GGUFError(f"{f.path}: mistral3 needs rope.dimension_count = key_length = value_length, got {n_rot}, {head_dim}, {head_dim_v}")
+    if arch in ("mistral3", "gpt-oss") and not n_rot == head_dim == head_dim_v:  # llama.cpp's graph asserts it (and aborts the process)
+        raise GGUFError(f"{f.path}: {arch} needs rope.dimension_count = key_length = value_length, got {n_rot}, {head_dim}, {head_dim_v}")
     return ModelSpec(
         arch=arch,
         name=f.get_str("general.name", f.path.stem),
@@ -363,10 +407,11 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         rope_freq_scale=1.0 / factor,
         **_rope_scaling(f, arch, scaling, factor),
         rope_base_swa=rope_base_swa,
+        rope_freq_scale_swa=1.0 if arch == "gemma3" else 1.0 / factor,
         qkv_bias=f"blk.{first_attention}.attn_q.bias" in f.tensors,
         qk_norm=f"blk.{first_attention}.attn_q_norm.weight" in f.tensors,
         sandwich_norm=arch in ("gemma2", "gemma3", "olmo2"),
-        ffn_act="gelu" if arch in ("gemma2", "gemma3") else "silu",
+        ffn_act="gelu" if arch in ("gemma2", "gemma3") else "swiglu_oai" if arch == "gpt-oss" else "silu",
         embed_scale=embed_scale,
         attn_scale=attn_scale,
         sliding_window=sliding_window,
@@ -385,10 +430,12 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         biased_projections=biased_projections,
         conv_layers=conv_layers,
         conv_kernel=conv_kernel,
-        final_norm="token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight",
+        final_norm="token_embd_norm.weight" if arch in HYBRID_ARCHS else "output_norm.weight",
         fused_qkv=f"blk.{first_attention}.attn_qkv.weight" in f.tensors,
         fused_gate_up=arch == "phi3",
         **_moe_routing(f, arch, n_layer),
+        attn_sinks=arch == "gpt-oss",
+        ffn_norm="post_attention_norm" if arch == "gpt-oss" else "ffn_norm",
         chat_template=f.get_str("tokenizer.chat_template"),
     )
 

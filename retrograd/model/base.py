@@ -151,7 +151,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "attn_q.bias": (spec.n_head * D,), p + "attn_k.bias": (spec.n_head_kv * D,), p + "attn_v.bias": (spec.n_head_kv * Dv,)}
         shapes |= {p + f"{t}.bias": (spec.n_ff if t in ("ffn_gate", "ffn_up") else E,) for t in spec.biased_projections}  # granite
         if spec.pre_norm:
-            shapes |= {p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,)}
+            shapes |= {p + "attn_norm.weight": (E,), p + f"{spec.ffn_norm}.weight": (E,)}
         if spec.qk_norm:  # per head, or over the whole projection (olmo2)
             q, k = (spec.n_head * D, spec.n_head_kv * D) if spec.qk_norm_full else (D, D)
             shapes |= {p + "attn_q_norm.weight": (q,), p + "attn_k_norm.weight": (k,)}
@@ -171,6 +171,13 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes = {n: s for n, s in shapes.items() if n not in (p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight")}
             shapes |= {p + "ffn_gate_inp.weight": (X, E), p + "ffn_gate_exps.weight": (X, Fx, E),
                        p + "ffn_up_exps.weight": (X, Fx, E), p + "ffn_down_exps.weight": (X, E, Fx)}
+            if spec.expert_selection_bias:  # lfm2moe: added to what the router's pick sorts
+                shapes[p + "exp_probs_b.bias"] = (X,)
+            if spec.expert_biases:  # gpt-oss: the router's and each expert's
+                shapes |= {p + "ffn_gate_inp.bias": (X,), p + "ffn_gate_exps.bias": (X, Fx),
+                           p + "ffn_up_exps.bias": (X, Fx), p + "ffn_down_exps.bias": (X, E)}
+        if spec.attn_sinks:  # gpt-oss: one logit per head
+            shapes[p + "attn_sinks.weight"] = (spec.n_head,)
     return shapes
 
 
@@ -190,7 +197,7 @@ def _load_tensors(f: GGUFFile, spec: ModelSpec, mode: str, notes: list[str]):
             raise GGUFError(f"{f.path}: missing tensor {name} (expected for {spec.arch})")
         if t.shape != shape:
             raise GGUFError(f"{f.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} for this {spec.arch} model")
-        if len(shape) == 1 or name.endswith(".shortconv.conv.weight"):  # used elementwise, in float32
+        if len(shape) == 1 or name.endswith((".shortconv.conv.weight", "_exps.bias")):  # used elementwise, in float32
             vectors[name] = torch.from_numpy(_numpy_f32(f, t).copy())
             continue
         w = _frozen(f, t, once_dequantized)

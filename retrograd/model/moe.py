@@ -2,8 +2,9 @@
 computed as llama.cpp's build_moe_ffn (src/llama-graph.cpp) does.
 
 Per token: router logits (ffn_gate_inp, in float32) -> gating (spec.expert_gating) ->
-the n_expert_used largest gated values pick the experts -> their gated values are the
-weights (renormalised to sum 1 and scaled when the spec says) -> each picked expert is a
+the n_expert_used largest gated values (plus a selection bias, lfm2moe's exp_probs_b) pick the
+experts -> their gated values, without that bias, are the weights (renormalised to sum 1
+and scaled when the spec says) -> each picked expert is a
 gated FFN (ffn_gate_exps, ffn_up_exps, ffn_down_exps, one slice of each stack) -> the
 expert outputs, times their weights, summed pick by pick (as llama.cpp adds its views).
 
@@ -39,11 +40,12 @@ WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the sum it renormalises by
 
 
 class FrozenExperts(FrozenLinear):
-    """A stack of frozen expert matrices [n_expert, n_out, n_in] (one GGUF tensor):
-    forward(x, e) multiplies by expert e. LoRA wraps it with a pair per expert (retrograd.lora)."""
+    """A stack of frozen expert matrices [n_expert, n_out, n_in] (one GGUF tensor), with gpt-oss's
+    biases [n_expert, n_out] if given: forward(x, e) multiplies by expert e (and adds its bias).
+    LoRA wraps it with a pair per expert (retrograd.lora), its delta added to this output."""
 
-    def __init__(self, weight: FrozenWeight):
-        super().__init__(weight, None)
+    def __init__(self, weight: FrozenWeight, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias)
         self.n_expert = weight.shape[0]
 
     @property
@@ -56,14 +58,17 @@ class FrozenExperts(FrozenLinear):
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         n = self.out_features
-        return frozen_linear(x, self.weight, (expert * n, (expert + 1) * n))
+        y = frozen_linear(x, self.weight, (expert * n, (expert + 1) * n))
+        return y if self.bias is None else y + self.bias[expert].to(y.dtype)
 
 
-def route(logits: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, spec: ModelSpec, selection_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, n_expert] (float32) -> (picked experts [T, k], their weights [T, k]),
-    each row in pick order (largest first)."""
+    each row in pick order (largest first). `selection_bias` [n_expert] (lfm2moe's exp_probs_b)
+    shifts the values the pick sorts; the weights are the unbiased gated values."""
     gated = GATINGS[spec.expert_gating](logits)
-    picked = torch.sort(gated, dim=-1, descending=True, stable=True).indices[:, : spec.n_expert_used]
+    ranked = gated if selection_bias is None else gated + selection_bias
+    picked = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, : spec.n_expert_used]
     weights = gated.gather(-1, picked)
     if spec.expert_gating == "softmax_weight":
         weights = weights.softmax(-1)
@@ -78,17 +83,19 @@ class MoEFeedForward(nn.Module):
     def __init__(self, spec: ModelSpec, i: int, w: dict[str, FrozenWeight], vec: dict[str, torch.Tensor]):
         super().__init__()
         p = f"blk.{i}."
-        self.ffn_gate_inp = FrozenLinear(w[p + "ffn_gate_inp.weight"], None)  # the router; no LoRA alias targets it
-        self.ffn_gate_exps = FrozenExperts(w[p + "ffn_gate_exps.weight"])
-        self.ffn_up_exps = FrozenExperts(w[p + "ffn_up_exps.weight"])
-        self.ffn_down_exps = FrozenExperts(w[p + "ffn_down_exps.weight"])
+        # the router (a LoRA targets it by name only) and the expert stacks; the biases are gpt-oss's
+        self.ffn_gate_inp = FrozenLinear(w[p + "ffn_gate_inp.weight"], vec.get(p + "ffn_gate_inp.bias"))
+        self.ffn_gate_exps = FrozenExperts(w[p + "ffn_gate_exps.weight"], vec.get(p + "ffn_gate_exps.bias"))
+        self.ffn_up_exps = FrozenExperts(w[p + "ffn_up_exps.weight"], vec.get(p + "ffn_up_exps.bias"))
+        self.ffn_down_exps = FrozenExperts(w[p + "ffn_down_exps.weight"], vec.get(p + "ffn_down_exps.bias"))
+        self.register_buffer("selection_bias", vec.get(p + "exp_probs_b.bias"), persistent=False)  # lfm2moe
         self.spec = spec
         self.act = spec.ffn_act
 
     def forward(self, x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         """x [T, E] float32 -> [T, E] float32."""
         T, k = x.shape[0], self.spec.n_expert_used
-        picked, weights = route(self.ffn_gate_inp(x.float()).float(), self.spec)  # [T, k] each
+        picked, weights = route(self.ffn_gate_inp(x.float()).float(), self.spec, self.selection_bias)  # [T, k] each
         slots = picked.flatten()  # [T * k]: token t's j-th pick is slot t * k + j
         by_expert = slots.argsort(stable=True)  # slots grouped by expert
         counts = torch.bincount(slots, minlength=self.spec.n_expert).tolist()

@@ -1,7 +1,7 @@
 """The whole decoder, top to bottom: norm, RoPE, attention, MLP, block, model.
 
 It computes what llama.cpp computes for the same GGUF (src/models/{llama,qwen2,qwen3,
-gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2,phi3,mistral3}.cpp); architecture differences are ModelSpec
+gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2,phi3,mistral3,openai-moe-iswa}.cpp); architecture differences are ModelSpec
 fields. The residual stream, norms and RoPE run in float32; matmuls and attention run in
 `compute_dtype` (float32 or bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
 
@@ -241,6 +241,7 @@ class Attention(nn.Module):
         self.rotates = spec.rope_layers[i]
         self.qk_norm_full = spec.qk_norm_full
         self.logit_softcap = spec.attn_logit_softcap
+        self.register_buffer("sinks", vec[p + "attn_sinks.weight"] if spec.attn_sinks else None, persistent=False)  # gpt-oss
 
     def forward(self, x, rope, mask, p: _Pass):
         T, layout = x.shape[0], p.layout
@@ -284,6 +285,10 @@ class Attention(nn.Module):
             )  # [R, heads, L, D]
         if self.logit_softcap:
             out = softcapped_attention(q, k, v, mask, self.scale, self.logit_softcap).to(p.compute_dtype)
+        elif self.sinks is not None:  # gpt-oss
+            out = F.scaled_dot_product_attention(
+                *with_sink_slot(q, k, v, mask, self.sinks, self.scale), scale=self.scale, enable_gqa=self.n_head != self.n_head_kv
+            )[..., : v.shape[-1]].to(p.compute_dtype)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.n_head != self.n_head_kv
@@ -303,6 +308,26 @@ def softcapped_attention(q, k, v, mask: torch.Tensor | None, scale: float, cap: 
     if mask is None:
         mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def with_sink_slot(q, k, v, mask: torch.Tensor | None, sinks: torch.Tensor, scale: float):
+    """gpt-oss's sinks, a learned logit per head that joins each softmax's denominator and
+    attends to nothing (llama.cpp's ggml_soft_max_add_sinks), as inputs of a plain
+    scaled_dot_product_attention, so its fused kernel runs and no score matrix is kept (a
+    materialised softmax was 6x slower at 1024 tokens): one more key slot, first in every row and
+    seen by every query, with a zero value. Its score comes from one more dimension, where each
+    query holds its head's sink / scale and the keys hold 1 (the sink's) or 0 (every other key's
+    scores stay as they were); v gets that dimension too, as zeros (the CPU kernel wants one head
+    size), for the caller to drop. q [R, H, L, D], k and v [R, K, L, D], mask [R, 1, L, L] bool or
+    None (causal) -> (q, k, v, mask) with D + 1 dimensions and L + 1 key slots."""
+    R, H, L, _ = q.shape
+    q = torch.cat([q, (sinks.float() / scale).to(q.dtype).view(1, H, 1, 1).expand(R, H, L, 1)], -1)
+    k = F.pad(k, (0, 1, 1, 0))
+    k[..., 0, -1] = 1.0
+    v = F.pad(v, (0, 1, 1, 0))
+    if mask is None:
+        mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    return q, k, v, torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], -1)
 
 
 def causal_conv(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
@@ -344,10 +369,32 @@ class ShortConv(nn.Module):
         return self.out_proj((c * conv).to(p.compute_dtype))
 
 
+# gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai; both constants fixed in its graph, not read from the file)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
+def _swiglu_oai_gate(x: torch.Tensor) -> torch.Tensor:
+    """min(x, limit) * sigmoid(alpha * min(x, limit))."""
+    x = x.clamp(max=SWIGLU_OAI_LIMIT)
+    return x * torch.sigmoid(SWIGLU_OAI_ALPHA * x)
+
+
+def _swiglu_oai_gate_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    c = x.clamp(max=SWIGLU_OAI_LIMIT)
+    s = torch.sigmoid(SWIGLU_OAI_ALPHA * c)
+    return grad * (s + SWIGLU_OAI_ALPHA * c * s * (1 - s)) * (x <= SWIGLU_OAI_LIMIT)
+
+
 # spec.ffn_act -> (act, (grad, x) -> grad * act'(x))
 GATE_ACTIVATIONS = {
     "silu": (F.silu, torch.ops.aten.silu_backward),
     "gelu": (lambda x: F.gelu(x, approximate="tanh"), lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate="tanh")),
+    "swiglu_oai": (_swiglu_oai_gate, _swiglu_oai_gate_backward),
+}
+# spec.ffn_act -> what multiplies act(gate) in place of up itself: (u(up), (grad, up) -> grad * u'(up))
+GATED_UP = {
+    "swiglu_oai": (lambda up: up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1,
+                   lambda grad, up: grad * (up.abs() <= SWIGLU_OAI_LIMIT)),
 }
 
 
@@ -361,7 +408,8 @@ class _GatedProduct(torch.autograd.Function):
         gate, up = gate.float(), up.float()
         ctx.act = act
         ctx.save_for_backward(gate, up)
-        return (GATE_ACTIVATIONS[act][0](gate) * up).to(dtype)
+        multiplier = GATED_UP[act][0](up) if act in GATED_UP else up
+        return (GATE_ACTIVATIONS[act][0](gate) * multiplier).to(dtype)
 
     @staticmethod
     @once_differentiable
@@ -369,7 +417,10 @@ class _GatedProduct(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         act, act_backward = GATE_ACTIVATIONS[ctx.act]
         grad = grad.float()
-        return act_backward(grad * up, gate), grad * act(gate), None, None
+        if ctx.act not in GATED_UP:
+            return act_backward(grad * up, gate), grad * act(gate), None, None
+        up_of, up_backward = GATED_UP[ctx.act]
+        return act_backward(grad * up_of(up), gate), up_backward(grad * act(gate), up), None, None
 
 
 class FeedForward(nn.Module):
@@ -394,7 +445,7 @@ class Block(nn.Module):
         # olmo2 has no pre-norms: its branches read the residual stream as it is
         self.attn_norm = RMSNorm(vec[p + "attn_norm.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
         self.attn = ShortConv(spec, i, w, vec) if spec.conv_layers[i] else Attention(spec, i, w, vec)
-        self.ffn_norm = RMSNorm(vec[p + "ffn_norm.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
+        self.ffn_norm = RMSNorm(vec[p + f"{spec.ffn_norm}.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
         if spec.moe_layers[i]:  # a mixture of experts in place of the dense FFN
             from retrograd.model.moe import MoEFeedForward  # here: moe builds on this module's parts
 
@@ -432,7 +483,10 @@ class Transformer(nn.Module):
         # RoPE frequency factors as (short, long): which one llama.cpp uses depends on its context (use_context)
         self.rope_factors = tuple(vectors.get(name) for name in (spec.rope_factors_short, spec.rope_factors_long))
         self.rope_global = self._global_rotary_table(self.rope_factors[0])
-        self.rope_local = RotaryTable(spec.n_rot, spec.rope_base_swa, 1.0)
+        # sliding-window layers: their own base and freq_scale, the global layers' YaRN (llama.cpp passes both the same)
+        self.rope_local = RotaryTable(spec.n_rot, spec.rope_base_swa, spec.rope_freq_scale_swa, ext_factor=spec.rope_ext_factor,
+                                      attn_factor=spec.rope_attn_factor, beta_fast=spec.rope_yarn_beta_fast,
+                                      beta_slow=spec.rope_yarn_beta_slow, ctx_orig=spec.rope_ctx_orig)
         self.compute_dtype = torch.float32
         # gradient checkpointing: keep only every `checkpoint_every`-th block input, stored in
         # checkpoint_dtype, and recompute the blocks in between during backward (0 = off)
