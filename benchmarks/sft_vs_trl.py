@@ -138,7 +138,7 @@ def step_budget(config: Path) -> tuple[list, int]:
     from retrograd.config import load_config
     from retrograd.data import load_sft
     from retrograd.recipes.common import open_chat
-    from retrograd.recipes.sft import epoch_plan
+    from retrograd.training.batches import epoch_plan
 
     cfg = load_config(config)
     examples = load_sft(cfg.sft.data, open_chat(cfg), ctx=WORK.max_len).examples

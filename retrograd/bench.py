@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import ChatFormat, Example, load_prompts, load_sft
+from retrograd.data import ChatFormat, Example, completion_seed, load_prompts, load_sft
 from retrograd.device import resolve_device
 from retrograd.errors import ConfigError, DataError, GGUFError
 from retrograd.gguf.adapter import AdapterFile, check_fits, read_adapter
@@ -44,11 +44,9 @@ from retrograd.lora import Adapter, attach_lora, frozen_linears
 from retrograd.model.base import BaseModel
 from retrograd.recipes.common import Setup, compute_dtype, load_adapter_weights, load_base, open_chat
 from retrograd.recipes.distill import require_teacher, student_path, teacher_chat, teacher_options
-from retrograd.recipes.grpo import completion_seed
-from retrograd.recipes.sft import mean_loss
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.teacher import check_same_tokenizer, gather_at, open_teacher
-from retrograd.training.batches import LogprobOptions, pack, plan_micro_batches
+from retrograd.training.batches import LogprobOptions, mean_loss, pack, plan_micro_batches
 from retrograd.training.report import Reporter
 from retrograd.training.scoring import Rollout
 

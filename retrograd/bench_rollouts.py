@@ -39,15 +39,13 @@ from retrograd.bench import (
 )
 from retrograd.bundled import default_model_path
 from retrograd.config import Config
-from retrograd.data import load_prompts
+from retrograd.data import completion_seed, load_prompts
 from retrograd.errors import ConfigError, DataError
 from retrograd.gguf.adapter import AdapterFile, read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.recipes import agent_grpo, grpo
-from retrograd.recipes.agent_grpo import _total as trajectory_reward
 from retrograd.recipes.common import open_chat
-from retrograd.recipes.grpo import completion_seed
-from retrograd.rollouts.agent import AgentRollouts, Request, Trajectory
+from retrograd.rollouts.agent import AgentRollouts, Request, Trajectory, trajectory_reward
 from retrograd.rollouts.rewards import make_reward
 from retrograd.sampler import GroupRequest, Sampler, Sampling
 from retrograd.training.report import Reporter

@@ -26,6 +26,7 @@ from retrograd.errors import ConfigError
 from retrograd.recipes import agent_grpo, grpo
 from retrograd.recipes.common import compute_dtype
 from retrograd.training.report import SilentReporter
+from retrograd.training.rollout_run import RolloutResult
 
 PHASE_LABELS = {  # every phase a rollout recipe times, in report order; each recipe has some
     "environment": "sandboxes (acquire, setup, release)",
@@ -126,7 +127,7 @@ def profile(cfg: Config, workload: Workload) -> list[str]:
         return report(short, result)
 
 
-def report(cfg: Config, result: grpo.GRPOResult) -> list[str]:
+def report(cfg: Config, result: RolloutResult) -> list[str]:
     t, recipe = cfg.training, PROFILED[cfg.run.algorithm]
     opts = recipe.module.sampler_options(cfg)
     records = result.records

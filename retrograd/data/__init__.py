@@ -1,7 +1,7 @@
 """Training data and rollout prompts: SFT examples (plain text, chat JSONL, tool records)
 with an exact assistant loss mask, and prompt files for GRPO and distillation."""
 
-from retrograd.data.prompts import Prompt, Prompts, load_prompts
+from retrograd.data.prompts import Prompt, Prompts, completion_seed, load_prompts, order_name, prompt_index
 from retrograd.data.sft import Example, SFTData, load_sft
 from retrograd.data.subset import evenly_spaced
 from retrograd.data.template import CHAT_TEMPLATES, ChatFormat, resolve_chat_template
@@ -13,8 +13,11 @@ __all__ = [
     "Prompt",
     "Prompts",
     "SFTData",
+    "completion_seed",
     "evenly_spaced",
     "load_prompts",
     "load_sft",
+    "order_name",
+    "prompt_index",
     "resolve_chat_template",
 ]

@@ -9,12 +9,17 @@ model continues the text. The reward program receives `Prompt.text`, the last us
 (or the plain prompt) without any template markup (notes section 3). A prompt longer than
 `max_tokens` is refused rather than dropped: the user chose ctx and max_new_tokens and
 should hear which line does not fit.
+
+The prompt stream of a rollout recipe is a pure function of its position: which prompt the
+k-th draw is and the seed of each completion, so a resumed run draws the same ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from retrograd.data.messages import parse_conversation
 from retrograd.data.shapes import Chat, Plain, count, shaped
@@ -83,3 +88,22 @@ def _chat_prompt(path: Path, where: str, item: Chat, chat: ChatFormat) -> tuple[
     rendered = chat.render(list(conv.messages), add_generation_prompt=True, where=where)
     ids, _ = chat.tokenize(rendered, where)
     return ids, last["content"]
+
+
+def completion_seed(base: int, stream_position: int, member: int) -> int:
+    """A 63-bit seed per completion, a pure function of its place in the prompt stream."""
+    return int(np.random.SeedSequence([base, stream_position, member]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def prompt_index(position: int, n_prompts: int, *, order: str, seed: int) -> int:
+    """Which prompt the stream's `position`-th draw is: round robin, or a fresh permutation
+    of the prompt file per pass when shuffled."""
+    if order == "sequential":
+        return position % n_prompts
+    epoch, k = divmod(position, n_prompts)
+    return int(np.random.default_rng([seed, epoch]).permutation(n_prompts)[k])
+
+
+def order_name(name: str) -> str:
+    """prompt_order as prompt_index spells it: the config also accepts "shuffle"."""
+    return "sequential" if name == "sequential" else "shuffled"

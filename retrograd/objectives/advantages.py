@@ -70,6 +70,11 @@ BASELINES = {"mean": mean_baseline, "leave_one_out": leave_one_out_baseline}
 REWARD_SCALES = {"none": no_scale, "group": group_scale, "batch": batch_scale}
 
 
+def baseline_name(name: str) -> str:
+    """The config's baseline as BASELINES names it: "rloo" is the leave-one-out baseline."""
+    return "leave_one_out" if name == "rloo" else name
+
+
 def group_advantages(
     rewards: torch.Tensor,  # [n_groups, G]
     live: torch.Tensor,  # [n_groups, G] bool

@@ -33,14 +33,21 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import ChatFormat, evenly_spaced
+from retrograd.data import ChatFormat, completion_seed, evenly_spaced
 from retrograd.errors import RetrogradError
 from retrograd.memory import rss_bytes
-from retrograd.objectives.advantages import group_advantages
+from retrograd.objectives.advantages import baseline_name, group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, rollout_sampler_options, signature
-from retrograd.recipes.grpo import GRPOResult, UpdateRecord, baseline_name, completion_seed, cut_text, warm_up
-from retrograd.rollouts.agent import STOPS, AgentRollouts, Request, RolloutLimits, Trajectory, checked_prompt
+from retrograd.rollouts.agent import (
+    STOPS,
+    AgentRollouts,
+    Request,
+    RolloutLimits,
+    Trajectory,
+    checked_prompt,
+    trajectory_reward,
+)
 from retrograd.rollouts.rewards import OneshotCommandReward, Reward, RewardError
 from retrograd.rollouts.sandbox import EnvironmentOptions, SandboxPool, open_environment
 from retrograd.rollouts.scenarios import Scenario, load_scenarios
@@ -51,7 +58,8 @@ from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
+from retrograd.training.rollout_loop import cut_text, warm_up
+from retrograd.training.rollout_run import RolloutResult, RunTotals, UpdateRecord, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, TrainSample
 from retrograd.training.scoring import Rollout
 from retrograd.training.state import RecipeLoop
@@ -63,15 +71,6 @@ DEFAULT_TOOLS = {"default": "python"}  # when [agent.environment] has no tools t
 
 class AgentRunStopped(RetrogradError):
     """The failure policy ended the run (too many dropped trajectories, an empty update)."""
-
-
-@dataclass
-class AgentResult(GRPOResult):
-    def summary(self) -> str:
-        return (
-            f"done update={self.updates_done}/{self.updates_planned} agent_epochs_per_update={self.epochs_per_update} "
-            f"step={self.steps} train_loss={self.train_loss:.4f} tok/s={self.tokens_per_second:.0f} out={self.output}"
-        )
 
 
 # ---------------------------------------------------------------- the task: everything but the model
@@ -134,7 +133,7 @@ def sampler_options(cfg: Config) -> SamplerOptions:
     return rollout_sampler_options(cfg, a.scenarios_per_update * a.group_size, a.max_trajectory_tokens)
 
 
-def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> AgentResult:
+def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> RolloutResult:
     baseline_rss = rss_bytes()
     task = open_task(cfg)
     try:
@@ -181,7 +180,7 @@ class AgentLoop(RecipeLoop):
         self.totals = RunTotals("policy/total_loss")
         self.rollouts_path = (cfg.observe.directory if cfg.observe else cfg.output.path.parent) / "rollouts.jsonl"
 
-    def run(self, resume) -> AgentResult:
+    def run(self, resume) -> RolloutResult:
         cfg, a = self.cfg, self.cfg.agent
         self.signature = self._signature()
         checkpoint = resume_point(cfg, resume, self.reporter)
@@ -220,8 +219,9 @@ class AgentLoop(RecipeLoop):
             finally:
                 self.reporter.finish()
         out = self.setup.write_output()
-        return AgentResult(
-            output=out, updates_done=self.progress["update"], steps=self.progress["global_step"],
+        return RolloutResult(
+            output=out, epochs_label="agent_epochs_per_update",
+            updates_done=self.progress["update"], steps=self.progress["global_step"],
             train_loss=self.totals.last_loss, tokens_per_second=self.totals.tokens_per_second,
             records=records, updates_planned=a.updates, epochs_per_update=a.epochs_per_update,
         )
@@ -288,9 +288,9 @@ class AgentLoop(RecipeLoop):
             if not group[0].scenario.verifiable and self.task.judge is not None:
                 judged += 1
                 dropped += not self._judge(group, timing)
-            complete = [_total(t) for t in group if t.terminal_reward is not None and not t.truncated and not t.failed]
+            complete = [trajectory_reward(t) for t in group if t.terminal_reward is not None and not t.truncated and not t.failed]
             for t in group:
-                t.reward, t.live, t.skip_reason = _total(t), True, None
+                t.reward, t.live, t.skip_reason = trajectory_reward(t), True, None
                 if t.failed:
                     t.live, t.skip_reason = False, "failed"
                 elif t.truncated and (a.truncation == "drop" or not complete):
@@ -393,7 +393,7 @@ class AgentLoop(RecipeLoop):
         a = self.cfg.agent
         requests = [Request(s, i, 0, completion_seed(a.seed + 1, i, 0)) for i, s in enumerate(self.task.eval_scenarios)]
         trajectories = self.rollouts.collect(requests, {})
-        rewards = [_total(t) if not t.failed else 0.0 for t in trajectories]
+        rewards = [trajectory_reward(t) if not t.failed else 0.0 for t in trajectories]
         return self.held_out_reward(update, a.updates, rewards, metrics, {"eval/failed_fraction": float(np.mean([t.failed for t in trajectories]))})
 
     def _signature(self) -> dict:
@@ -436,9 +436,3 @@ def trajectory_record(t: Trajectory, update: int, cap: int = 0) -> dict:
         "terminal_reward": t.terminal_reward, "step_rewards": [r for _, r in t.step_rewards], "reward": t.reward,
         "advantage": t.advantage, "trained": t.live and t.skip_reason is None, "skip_reason": t.skip_reason,
     }
-
-
-def _total(t: Trajectory) -> float:
-    """Terminal reward (0 when there is none) plus every step reward (gamma = 1)."""
-    return (t.terminal_reward or 0.0) + sum(r for _, r in t.step_rewards)
-

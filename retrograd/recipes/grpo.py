@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import Prompt, evenly_spaced, load_prompts
+from retrograd.data import Prompt, completion_seed, evenly_spaced, load_prompts, order_name, prompt_index
 from retrograd.memory import rss_bytes
-from retrograd.objectives.advantages import group_advantages
+from retrograd.objectives.advantages import baseline_name, group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
 from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, rollout_sampler_options, signature
@@ -42,9 +42,10 @@ from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
+from retrograd.training.rollout_loop import cut_text, warm_up
+from retrograd.training.rollout_run import RolloutResult, RunTotals, UpdateRecord, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, TrainSample
-from retrograd.training.scoring import Rollout, micro_batch_logprobs
+from retrograd.training.scoring import Rollout
 from retrograd.training.state import RecipeLoop
 
 PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer", "adapter_refresh")
@@ -67,55 +68,11 @@ class Member:
     skip_reason: str | None = None
 
 
-@dataclass
-class UpdateRecord:
-    update: int
-    metrics: dict
-    timing: dict  # phase -> seconds
-    steps: int
-    step_diagnostics: list[dict] = field(default_factory=list)  # merged policy diagnostics per optimizer step
-
-
-@dataclass
-class GRPOResult:
-    output: Path
-    updates_done: int
-    steps: int
-    train_loss: float
-    tokens_per_second: float
-    records: list[UpdateRecord] = field(default_factory=list)
-    init_timing: dict = field(default_factory=dict)  # model load, LoRA, sampler: (seconds, Δ RSS)
-    memory: dict = field(default_factory=dict)  # rss baseline / after load / peak
-    updates_planned: int = 0
-    epochs_per_update: int = 0
-    duty: object = None  # DutyStats of the run
-
-    def summary(self) -> str:
-        return (
-            f"done update={self.updates_done}/{self.updates_planned} grpo_epochs_per_update={self.epochs_per_update} "
-            f"step={self.steps} train_loss={self.train_loss:.4f} tok/s={self.tokens_per_second:.0f} out={self.output}"
-        )
-
-
-def completion_seed(base: int, stream_position: int, member: int) -> int:
-    """A 63-bit seed per completion, a pure function of its place in the prompt stream."""
-    return int(np.random.SeedSequence([base, stream_position, member]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
-
-def prompt_index(position: int, n_prompts: int, *, order: str, seed: int) -> int:
-    """Which prompt the stream's `position`-th draw is: round robin, or a fresh permutation
-    of the prompt file per pass when shuffled."""
-    if order == "sequential":
-        return position % n_prompts
-    epoch, k = divmod(position, n_prompts)
-    return int(np.random.default_rng([seed, epoch]).permutation(n_prompts)[k])
-
-
 def sampler_options(cfg: Config) -> SamplerOptions:
     return rollout_sampler_options(cfg, cfg.grpo.prompts_per_update * cfg.grpo.group_size)
 
 
-def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> GRPOResult:
+def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> RolloutResult:
     g, t = cfg.grpo, cfg.training
     baseline_rss = rss_bytes()
     reward = make_reward(
@@ -141,19 +98,6 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.totals.peak_rss}
             result.duty = loop.duty.stats
             return result
-
-
-def warm_up(setup: Setup) -> dict:
-    """One forward+backward on a few tokens before the first update (compiles the
-    dequantization kernels), so update timings measure steady work."""
-    t0, r0 = time.perf_counter(), rss_bytes()
-    ids = tuple(range(10, 42))
-    model = setup.model.transformer
-    logp, _ = micro_batch_logprobs(model, [Rollout(0, ids[:16], ids[16:])], LogprobOptions(), setup.device)
-    logp.sum().backward()
-    for p in setup.adapter.parameters():
-        p.grad = None
-    return {"warm-up (compile + probe step)": (time.perf_counter() - t0, rss_bytes() - r0)}
 
 
 class GRPOLoop(RecipeLoop):
@@ -187,7 +131,7 @@ class GRPOLoop(RecipeLoop):
 
     # ---------------------------------------------------------------- the loop
 
-    def run(self, resume) -> GRPOResult:
+    def run(self, resume) -> RolloutResult:
         cfg, g = self.cfg, self.cfg.grpo
         data_files = {"grpo.prompts": g.prompts} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
         self.signature = signature(self.setup, data_files)
@@ -229,8 +173,9 @@ class GRPOLoop(RecipeLoop):
             finally:
                 self.reporter.finish()
         out = self.setup.write_output()
-        return GRPOResult(
+        return RolloutResult(
             output=out,
+            epochs_label="grpo_epochs_per_update",
             updates_done=self.progress["update"],
             steps=self.progress["global_step"],
             train_loss=self.totals.last_loss,
@@ -405,16 +350,3 @@ class GRPOLoop(RecipeLoop):
             }
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
-
-
-def cut_text(text: str, cap: int) -> str:
-    return text if not cap or len(text) <= cap else text[:cap] + " […]"
-
-
-def order_name(name: str) -> str:
-    return "sequential" if name == "sequential" else "shuffled"
-
-
-def baseline_name(name: str) -> str:
-    return "leave_one_out" if name == "rloo" else name
-

@@ -16,14 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from retrograd.config import Config
-from retrograd.data import Example, evenly_spaced, load_sft
+from retrograd.data import evenly_spaced, load_sft
 from retrograd.memory import rss_bytes
-from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, signature
-from retrograd.training.batches import LogprobOptions, batch_logprobs, pack, plan_micro_batches
+from retrograd.recipes.common import open_chat, prepare, resume_point, signature
+from retrograd.training.batches import LogprobOptions, batch_logprobs, epoch_plan, mean_loss, pack
 from retrograd.training.checkpoint import check_signature, step_name
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
@@ -47,31 +44,6 @@ class SFTResult:
             f"done epoch={self.epochs_done} step={self.steps} train_loss={self.train_loss:.4f}{eval_part} "
             f"tok/s={self.tokens_per_second:.0f} out={self.output}"
         )
-
-
-def epoch_plan(examples: tuple[Example, ...], epoch: int, *, seed: int, shuffle: bool, micro_batch: int, accumulation: int):
-    """-> list of optimizer steps, each a list of micro-batches of example indices."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(examples)) if shuffle else np.arange(len(examples))
-    lengths = [len(examples[i].ids) for i in order]
-    micro = [[int(order[j]) for j in mb] for mb in plan_micro_batches(lengths, micro_batch)]
-    return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
-
-
-def mean_loss(setup: Setup, examples, options: LogprobOptions) -> tuple[float, list[float]]:
-    """Mean NLL per supervised token over `examples`, and each example's own mean."""
-    transformer = setup.model.transformer
-    per_example = []
-    total = count = 0.0
-    with torch.no_grad():
-        for mb in plan_micro_batches([len(e.ids) for e in examples], setup.cfg.training.micro_batch):
-            batch = pack([examples[i] for i in mb], setup.device)
-            nll = -batch_logprobs(transformer, batch, options).double()
-            sums = torch.zeros(len(mb), dtype=torch.float64).index_add_(0, batch.sequence_index.cpu(), nll.cpu())
-            counts = torch.bincount(batch.sequence_index.cpu(), minlength=len(mb))
-            per_example += (sums / counts.clamp(min=1)).tolist()
-            total += float(sums.sum())
-            count += int(counts.sum())
-    return total / max(count, 1), per_example
 
 
 def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> SFTResult:

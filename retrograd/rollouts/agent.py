@@ -169,6 +169,11 @@ class Trajectory:
         return per_token[mask].float()  # [n_sampled]
 
 
+def trajectory_reward(t: Trajectory) -> float:
+    """Terminal reward (0 when there is none) plus every step reward (gamma = 1)."""
+    return (t.terminal_reward or 0.0) + sum(r for _, r in t.step_rewards)
+
+
 @dataclass
 class _Live:
     """A trajectory while it runs: its sandbox, sampler conversation and chat state."""

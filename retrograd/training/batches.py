@@ -7,6 +7,9 @@ attention never crosses a sequence boundary (see model.transformer.Layout), exce
 group's members all see their shared prefix, packed and computed once (GRPO scores a
 group's prompt once). A group too large for one micro-batch has its prefix computed once in
 a pass of its own (SharedPrefix) and its members split over micro-batches that read it.
+
+SFT and offline distillation share the example level too: the epoch plan (a seeded order
+packed into micro-batches and optimizer steps) and the held-out mean loss.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from retrograd.data import Example
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, TOKEN_CHUNK, VOCAB_TILE
 from retrograd.model.transformer import Layout, Past, Transformer
 
@@ -201,3 +206,28 @@ def batch_logprobs(model: Transformer, batch: PackedBatch, options: LogprobOptio
         token_chunk=options.token_chunk,
     )
     return logprobs[:, 0]
+
+
+def epoch_plan(examples: tuple[Example, ...], epoch: int, *, seed: int, shuffle: bool, micro_batch: int, accumulation: int):
+    """-> list of optimizer steps, each a list of micro-batches of example indices."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(examples)) if shuffle else np.arange(len(examples))
+    lengths = [len(examples[i].ids) for i in order]
+    micro = [[int(order[j]) for j in mb] for mb in plan_micro_batches(lengths, micro_batch)]
+    return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
+
+
+def mean_loss(setup, examples, options: LogprobOptions) -> tuple[float, list[float]]:
+    """Mean NLL per supervised token over `examples`, and each example's own mean."""
+    transformer = setup.model.transformer
+    per_example = []
+    total = count = 0.0
+    with torch.no_grad():
+        for mb in plan_micro_batches([len(e.ids) for e in examples], setup.cfg.training.micro_batch):
+            batch = pack([examples[i] for i in mb], setup.device)
+            nll = -batch_logprobs(transformer, batch, options).double()
+            sums = torch.zeros(len(mb), dtype=torch.float64).index_add_(0, batch.sequence_index.cpu(), nll.cpu())
+            counts = torch.bincount(batch.sequence_index.cpu(), minlength=len(mb))
+            per_example += (sums / counts.clamp(min=1)).tolist()
+            total += float(sums.sum())
+            count += int(counts.sum())
+    return total / max(count, 1), per_example

@@ -1,6 +1,6 @@
 """What the rollout recipes (grpo, agent_grpo, distill's on_policy mode) share around an
-update: resuming into a live sampler, the run's output files, and the per-update timing /
-memory / throughput metrics."""
+update: resuming into a live sampler, the run's output files, the per-update timing /
+memory / throughput metrics, and (grpo, agent_grpo) the per-update record and the result."""
 
 from __future__ import annotations
 
@@ -20,6 +20,37 @@ from retrograd.training.rollout_step import PolicyOptimizer, adapter_is_zero
 from retrograd.training.state import restore_state
 
 T = TypeVar("T")
+
+
+@dataclass
+class UpdateRecord:
+    update: int
+    metrics: dict
+    timing: dict  # phase -> seconds
+    steps: int
+    step_diagnostics: list[dict] = field(default_factory=list)  # merged policy diagnostics per optimizer step
+
+
+@dataclass
+class RolloutResult:
+    output: Path
+    epochs_label: str  # the summary's name for epochs_per_update: grpo_epochs_per_update, agent_epochs_per_update
+    updates_done: int
+    steps: int
+    train_loss: float
+    tokens_per_second: float
+    records: list[UpdateRecord] = field(default_factory=list)
+    init_timing: dict = field(default_factory=dict)  # model load, LoRA, sampler: (seconds, Δ RSS)
+    memory: dict = field(default_factory=dict)  # rss baseline / after load / peak
+    updates_planned: int = 0
+    epochs_per_update: int = 0
+    duty: object = None  # DutyStats of the run
+
+    def summary(self) -> str:
+        return (
+            f"done update={self.updates_done}/{self.updates_planned} {self.epochs_label}={self.epochs_per_update} "
+            f"step={self.steps} train_loss={self.train_loss:.4f} tok/s={self.tokens_per_second:.0f} out={self.output}"
+        )
 
 
 def resume_rollouts(checkpoint: Checkpoint | None, signature: dict, policy: PolicyOptimizer, sampler,

@@ -34,7 +34,6 @@ from retrograd.recipes.distill.common import (
     student_path,
     teacher_options,
 )
-from retrograd.recipes.sft import epoch_plan, mean_loss
 from retrograd.teacher import (
     Sidecar,
     SidecarHeader,
@@ -49,7 +48,7 @@ from retrograd.teacher import (
     tokenizer_fingerprint,
     write_sidecar,
 )
-from retrograd.training.batches import LogprobOptions, pack
+from retrograd.training.batches import LogprobOptions, epoch_plan, mean_loss, pack
 from retrograd.training.checkpoint import check_signature, file_fingerprint
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import Schedule, build_optimizer

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import Prompt, evenly_spaced, load_prompts
+from retrograd.data import Prompt, completion_seed, evenly_spaced, load_prompts, order_name, prompt_index
 from retrograd.errors import ConfigError
 from retrograd.memory import rss_bytes
 from retrograd.objectives.distill import generalized_jsd, teacher_advantages
@@ -33,7 +33,6 @@ from retrograd.recipes.distill.common import (
     teacher_chat,
     teacher_options,
 )
-from retrograd.recipes.grpo import completion_seed, prompt_index, warm_up
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.teacher import (
     TeacherScores,
@@ -47,6 +46,7 @@ from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink
 from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
+from retrograd.training.rollout_loop import warm_up
 from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
 from retrograd.training.rollout_step import PolicyOptimizer, TrainSample
 from retrograd.training.scoring import Rollout, plan, rollout_logprobs
@@ -256,9 +256,8 @@ class OnPolicyLoop(RecipeLoop):
     def _sample(self, update: int, timing: dict) -> list[Member]:
         d = self.cfg.distill
         cursor = self.progress["prompt_cursor"]
-        order = "sequential" if d.prompt_order == "sequential" else "shuffled"
         chosen = [
-            prompt_index(cursor + k, len(self.prompts), order=order, seed=self.cfg.lora.seed)
+            prompt_index(cursor + k, len(self.prompts), order=order_name(d.prompt_order), seed=self.cfg.lora.seed)
             for k in range(d.prompts_per_update)
         ]
         requests = [
