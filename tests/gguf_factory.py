@@ -52,9 +52,9 @@ TINY_ARCHS = {
     "lfm2moe": dict(arch="lfm2moe", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied=False, qk_norm=True,
                     conv_layers=(0, 2), conv_kernel=3, experts=(4, 2, 32), dense_lead=1, gating=2, selection_bias=0.5),
     # RoPE variants; `meta` keys are written as {arch}.{key} (str, bool, int as uint32, float as float32, tuple as array).
-    # mistral3: YaRN (factor 4 over an original context of 64, so the ramp spans pairs 0 to 5 of 16)
-    # with a log multiplier, attention temperature, which binds from position 64 on, and YaRN betas
-    # that llama.cpp's mistral3 does not read; head size 32 != 64 / 4
+    # mistral3: YaRN (factor 4 over an original context of 64) with a log multiplier, attention
+    # temperature, which binds from position 64 on, and YaRN betas 16 and 2, which llama.cpp's mistral3
+    # reads (the ramp spans pairs 0 to 3 of 16; llama.cpp's default betas 32 and 1: 0 to 5); head size 32 != 64 / 4
     "mistral3": dict(arch="mistral3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied=False,
                      meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64,
                            "rope.scaling.yarn_beta_fast": 16.0, "rope.scaling.yarn_beta_slow": 2.0,
@@ -220,6 +220,15 @@ def write_tiny_model(path: Path, name: str, seed: int = 0, qtype: QT = QT.F32, e
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+PHI3_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def write_phi3_long_rope(folder: Path, ctx_orig: int) -> Path:
+    """A Phi-3.5-style file: both factor sets, a magnitude, an original context of ctx_orig."""
+    meta = {"rope.scaling.attn_factor": 1.19, "rope.scaling.original_context_length": ctx_orig}
+    return write_tiny_model(folder / f"phi3-long-rope-{ctx_orig}.gguf", "phi3", extra_vectors=PHI3_FACTORS, meta=meta)
 
 
 def write_f32_copy(src: Path, dst: Path) -> Path:

@@ -8,6 +8,9 @@ import torch
 from retrograd.llamacpp import llama_cpp
 
 F32 = 0  # GGML_TYPE_F32, for type_k / type_v
+# llama_cpp.Llama passes YaRN's magnitude 1 and betas 32 / 1 to the context; -1 leaves them to the model
+# file as llama.cpp's own default context parameters do (the sampler's, llama-server's)
+YARN_FROM_MODEL = dict(yarn_attn_factor=-1.0, yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)
 
 
 def llama_logits(path, ids: list[int], *, lora_path=None, kv_f32: bool = True) -> torch.Tensor:
@@ -16,7 +19,7 @@ def llama_logits(path, ids: list[int], *, lora_path=None, kv_f32: bool = True) -
     kv = dict(type_k=F32, type_v=F32) if kv_f32 else {}
     llm = llama_cpp.Llama(
         model_path=str(path), n_ctx=max(n, 64), n_batch=n, n_ubatch=n, logits_all=True,
-        verbose=False, n_threads=2, lora_path=str(lora_path) if lora_path else None, **kv,
+        verbose=False, n_threads=2, lora_path=str(lora_path) if lora_path else None, **kv, **YARN_FROM_MODEL,
     )
     try:
         llm.eval(ids)

@@ -25,8 +25,8 @@ def test_spec_reads_what_llama_cpp_reads(tiny_model):
     # yarn_log_multiplier 0.5: llama.cpp's magnitude mscale(4, 1) / mscale(4, 0.5), over the 1 + 0.1 ln 4 ggml multiplies in
     mscale = lambda s, m: 0.1 * m * math.log(s) + 1.0  # noqa: E731
     assert spec.rope_attn_factor == pytest.approx(mscale(4, 1) / mscale(4, 0.5) / (1 + 0.1 * math.log(4)))
-    # the file's YaRN betas (16, 2) are not read by llama.cpp's mistral3: its defaults hold
-    assert (spec.rope_yarn_beta_fast, spec.rope_yarn_beta_slow) == (32.0, 1.0)
+    # the file's YaRN betas (16, 2), which llama.cpp's mistral3 reads (llama's would keep 32, 1)
+    assert (spec.rope_yarn_beta_fast, spec.rope_yarn_beta_slow) == (16.0, 2.0)
     assert (spec.attn_temp_scale, spec.attn_temp_length) == (0.5, 64)
 
 

@@ -8,21 +8,13 @@ import sys
 
 import pytest
 from arch_checks import assert_adapter_reproduced, parity_ids
-from gguf_factory import TINY_ARCHS, write_tiny_model
+from gguf_factory import PHI3_FACTORS, TINY_ARCHS, write_phi3_long_rope, write_tiny_model
 from llama_ref import agreement, llama_logits, top1_disagreements
 from lora_files import random_adapter
 
 import retrograd
 from retrograd.errors import GGUFError
 from retrograd.model.transformer import RotaryTable
-
-PHI3_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-
-
-def _phi3_long_rope(folder, ctx_orig: int):
-    """A Phi-3.5-style file: both factor sets, a magnitude, an original context of ctx_orig."""
-    meta = {"rope.scaling.attn_factor": 1.19, "rope.scaling.original_context_length": ctx_orig}
-    return write_tiny_model(folder / f"phi3-long-rope-{ctx_orig}.gguf", "phi3", extra_vectors=PHI3_FACTORS, meta=meta)
 
 
 def _assert_parity(path, model, text):
@@ -64,7 +56,7 @@ def test_llama3_rope_freqs_match_llama_cpp(tmp_path, ordinary_text):
 # an original context of 256 or 300 (300 only because of that padding), the short ones at 1024
 @pytest.mark.parametrize(("ctx_orig", "long"), [(256, True), (300, True), (1024, False)])
 def test_phi3_long_rope_factors_match_llama_cpp_in_its_context(tmp_path, ordinary_text, ctx_orig, long):
-    path = _phi3_long_rope(tmp_path, ctx_orig)
+    path = write_phi3_long_rope(tmp_path, ctx_orig)
     model = retrograd.load_model(path)
     t = model.transformer
     assert model.spec.rope_attn_factor == pytest.approx(1.19) and model.spec.rope_ctx_orig == ctx_orig
@@ -77,7 +69,7 @@ def test_phi3_long_rope_factors_match_llama_cpp_in_its_context(tmp_path, ordinar
 
 
 def test_adapter_on_a_long_rope_phi3_reproduces_our_logits_in_llama_cpp(tmp_path, ordinary_text):
-    base = _phi3_long_rope(tmp_path, 1024)
+    base = write_phi3_long_rope(tmp_path, 1024)
     adapter = assert_adapter_reproduced(base, random_adapter(base, tmp_path / "adapter.gguf", scale=0.05), ordinary_text)
     assert len(adapter.layers) == 4 * TINY_ARCHS["phi3"]["n_layer"]
 

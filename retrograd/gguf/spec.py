@@ -46,9 +46,10 @@ HYBRID_ARCHS = ("lfm2", "lfm2moe")  # conv and attention layers, told apart by h
 SUPPORTED_ARCHS += ("mistral3",)
 ROPE_STYLE |= {"mistral3": "norm"}
 ROPE_SCALINGS = ("none", "linear", "yarn")  # rope.scaling.type values our RotaryTable computes
-# archs whose load_hparams reads rope.scaling.yarn_log_multiplier and attention.temperature_scale (others
-# keep llama.cpp's defaults). No supported arch reads yarn_beta_fast/slow, yarn_ext_factor or yarn_attn_factor
-# (the installed llama.cpp ignores them in a mistral3 file: checked), so those stay at llama.cpp's defaults too
+# archs whose load_hparams reads rope.scaling.yarn_log_multiplier, yarn_beta_fast/slow and
+# attention.temperature_scale (others keep llama.cpp's defaults). No supported arch reads yarn_ext_factor or
+# yarn_attn_factor (checked with the installed llama.cpp at its default context parameters, as the sampler
+# and llama.cpp's tools run it: llama_cpp.Llama instead passes betas 32/1 and attn factor 1 explicitly)
 YARN_KEYS_READ = ("mistral3",)
 # gpt-oss: q/k/v/o biases and a learned sink logit per head, a window on alternate layers, YaRN on every
 # layer; a mixture in every layer, routed by a softmax over the picked (biased) router logits, neither
@@ -286,8 +287,8 @@ def _rope_scaling(f: GGUFFile, arch: str, scaling: str, factor: float) -> dict:
     return dict(
         rope_ext_factor=ext_factor,
         rope_attn_factor=attn_factor,
-        rope_yarn_beta_fast=32.0,
-        rope_yarn_beta_slow=1.0,
+        rope_yarn_beta_fast=_float(f, k("rope.scaling.yarn_beta_fast"), 32.0) if reads_yarn else 32.0,
+        rope_yarn_beta_slow=_float(f, k("rope.scaling.yarn_beta_slow"), 1.0) if reads_yarn else 1.0,
         rope_ctx_orig=ctx_orig,
         rope_factors_short=short,
         rope_factors_long=long,
