@@ -58,8 +58,11 @@ class CapabilityReport:
             f"vocabulary     {s.n_vocab} tokens",
             f"rope           {rope}",
         ]
-        if s.sliding_window:
-            out.append(f"attention      sliding window {s.sliding_window} on {sum(s.swa_layers)} of {s.n_layer} layers")
+        attention = [f"sliding window {s.sliding_window} on {sum(s.swa_layers)} of {s.n_layer} layers"] if s.sliding_window else []
+        attention += ["a learned sink logit per head (frozen)"] if s.attn_sinks else []
+        attention += [f"scores soft-capped at {s.attn_logit_softcap:g}"] if s.attn_logit_softcap else []
+        if attention:
+            out.append("attention      " + "; ".join(attention))
         if any(s.conv_layers):
             out.append(f"mixers         gated short convolution (kernel {s.conv_kernel}) on {sum(s.conv_layers)} of {s.n_layer} layers, attention on the rest")
         if s.n_expert:

@@ -16,6 +16,7 @@ from lora_files import random_adapter
 from test_memory_estimate import saved_for_backward
 
 import retrograd
+from retrograd.capabilities import inspect_model
 from retrograd.errors import GGUFError
 from retrograd.lora import attach_lora
 from retrograd.memory import activation_bytes
@@ -166,3 +167,9 @@ def test_memory_estimate_counts_the_sink_slot_mask(tiny_model):
     quadratic = measured(1024) - 2 * measured(512)
     estimated = activation_bytes(model.spec, 1024, 4, 4) - 2 * activation_bytes(model.spec, 512, 4, 4)
     assert 0.75 <= estimated / quadratic <= 1.25, (estimated, quadratic)
+
+
+def test_inspect_names_the_sinks_and_the_window(tiny_model):
+    lines = inspect_model(tiny_model("gpt-oss"), torch.device("cpu")).lines()
+    (attention,) = [line for line in lines if line.startswith("attention")]
+    assert "sliding window 16 on 1 of 2 layers" in attention and "sink logit per head" in attention
