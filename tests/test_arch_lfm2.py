@@ -165,16 +165,6 @@ def test_retrograd_train_runs_the_rust_smoke_sft_shape(tmp_path, tiny_model):
     assert torch.isfinite(llama_logits(base, ids, lora_path=adapter)).all()  # llama.cpp takes the adapter
 
 
-def test_the_rollout_sampler_refuses_a_recurrent_model_in_one_line(tiny_model):
-    """llama.cpp cannot cut lfm2's conv state back to an earlier position, and the sampler's
-    pads and prompt reuse need that: refused until the sampler can do without it."""
-    from retrograd.errors import UnsupportedArchError
-    from retrograd.sampler import Sampler, SamplerOptions
-
-    with pytest.raises(UnsupportedArchError, match="recurrent .* rollout algorithms do not"):
-        Sampler(tiny_model("lfm2"), SamplerOptions(n_ctx=128, n_seq_max=4, n_batch=512, kv_dtype="f32", n_threads=2))
-
-
 def test_chat_on_lfm2_equals_a_fresh_run_turn_after_turn(tiny_model):
     """Inference rewinds a sequence to reuse a prompt prefix; on lfm2 llama.cpp refuses the
     rewind, and the prompt is computed again from the start instead."""

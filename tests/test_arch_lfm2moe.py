@@ -15,12 +15,11 @@ from gguf_factory import TINY_ARCHS, write_tiny_model
 from llama_ref import llama_logits
 
 import retrograd
-from retrograd.errors import GGUFError, UnsupportedArchError
+from retrograd.errors import GGUFError
 from retrograd.gguf.adapter import adapter_tensors, read_adapter, write_adapter
 from retrograd.lora import attach_lora
 from retrograd.memory import activation_bytes
 from retrograd.model.moe import MoEFeedForward, route
-from retrograd.sampler import Sampler, SamplerOptions
 
 CONV_PROJECTIONS = ["blk.*.shortconv.in_proj.weight", "blk.*.shortconv.out_proj.weight"]
 ALL_TARGETS = ["q", "k", "v", "o", "ffn_up", "ffn_gate", "ffn_down", *CONV_PROJECTIONS]
@@ -135,11 +134,6 @@ def test_sft_on_experts_router_and_conv_projections_memorises_a_chat(tmp_path, t
     trained = read_adapter(sft_memorising_one_chat(tmp_path, tiny_model("lfm2moe"), targets=targets).output).tensors
     assert {"blk.0.ffn_up.weight", "blk.3.ffn_down_exps.weight", "blk.2.shortconv.in_proj.weight"} <= set(trained)
     assert (trained["blk.1.ffn_gate_inp.weight"].b != 0).any()  # the router's pair learned through the weights
-
-
-def test_the_rollout_sampler_refuses_it_as_a_recurrent_model(tiny_model):
-    with pytest.raises(UnsupportedArchError, match="recurrent .* rollout algorithms do not"):
-        Sampler(tiny_model("lfm2moe"), SamplerOptions(n_ctx=128, n_seq_max=4, n_batch=512, kv_dtype="f32", n_threads=2))
 
 
 def test_memory_estimate_counts_the_leading_dense_layer_as_dense(tiny_model):

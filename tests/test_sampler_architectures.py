@@ -5,7 +5,7 @@ tokens. The completions run past the tiny fixtures' sliding windows (16 tokens) 
 contexts (64: YaRN, mistral3's attention temperature), with the prompt prefilled in two pieces
 (sampler.PREFILL_CHUNK) and the completion decoded in steps with a second stream beside it.
 phi3's long-RoPE factors are the set llama.cpp picks for the context the recipes give it.
-Architectures with recurrent (convolution) layers are refused by the sampler."""
+What the sampler does differently for recurrent (convolution) layers: tests/test_sampler_recurrent.py."""
 
 import dataclasses
 from pathlib import Path
@@ -16,14 +16,12 @@ from gguf_factory import TINY_ARCHS, write_phi3_long_rope
 
 import retrograd
 from retrograd.config import parse_config
-from retrograd.errors import UnsupportedArchError
 from retrograd.lora import attach_lora
 from retrograd.recipes import grpo
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.sampler.sampler import PREFILL_CHUNK
 
-RECURRENT = sorted(name for name, h in TINY_ARCHS.items() if h.get("conv_layers"))
-ARCHS = sorted(name for name in TINY_ARCHS if name not in RECURRENT)
+ARCHS = sorted(TINY_ARCHS)
 PROMPT, NEW = 70, 30  # positions 0..99: the prompt in pieces [0, 64) and [64, 70), every sampled token past 64
 # A GRPO temperature that keeps every tiny model's sampled tokens uncertain: at 1 the tied-embedding
 # fixtures (gemma3, qwen2, qwen3) give them log-probs of about 0 with or without the adapter (moved
@@ -80,14 +78,6 @@ def test_rollouts_carry_our_logprobs_with_the_live_adapter(tiny_model, ordinary_
     if arch in UNBOUND:  # and one that ignored the window or the temperature
         model.transformer.spec = dataclasses.replace(model.spec, **UNBOUND[arch])
         assert _gap(model, prompt, group) > 30 * ATOL
-
-
-def test_recurrent_architectures_are_refused_by_the_rollout_sampler(tiny_model):
-    assert RECURRENT == ["lfm2", "lfm2moe"]
-    for arch in RECURRENT:
-        with pytest.raises(UnsupportedArchError, match="recurrent .* rollout algorithms do not") as refused:
-            Sampler(tiny_model(arch), SamplerOptions(n_ctx=64, n_seq_max=2, kv_dtype="f32", n_threads=1))
-        assert "\n" not in str(refused.value)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,9 @@ after them (its end-of-turn, the observations, the next assistant header) is tok
 and appended. Before that, the new render must start with the previous render plus the
 turn's exact text; a template that rewrites every earlier turn is refused with an error,
 one that rewrites only this turn's text ends that trajectory. So
-the sampler's KV cache is extended between turns, never re-prefilled, and `mask` marks
-exactly the sampled tokens.
+the sampler's KV cache is extended between turns, never re-prefilled (except on recurrent
+models such as lfm2, whose state the sampler cannot cut back: each of their turns prefills the
+history again, to the same tokens), and `mask` marks exactly the sampled tokens.
 
 After the last turn, `verify` runs in the trajectory's sandbox (unless it broke or ran out
 of time) for the terminal reward; json tools' rewards are step rewards, each starting at

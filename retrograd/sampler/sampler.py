@@ -44,22 +44,37 @@ exactly as this context's own prefill would compute them; a group member that sh
 prompt copies the whole prefilled stream. A conversation continues on its own cache from
 turn to turn (what its next turn computes depends on its own history only).
 
+Recurrent models (lfm2, lfm2moe: gated short convolutions beside attention). llama.cpp keeps
+one state per sequence that has read every position; it copies that state whole
+(seq_cp) but cannot cut it back (seq_rm of a suffix fails, and Engine.keep then empties the
+sequence). So nothing is ever rewound: a context is taken from another sequence only when
+that sequence holds exactly its complete prefill (a group member copies the prompt's stream
+before the first step moves it on; a member started later prefills the prompt again), else
+it is prefilled from position 0 in the same pieces; a stream that takes a pad is emptied
+(so whatever an idle sequence held is gone after a step); a conversation's every turn is
+prefilled from position 0 (its state between turns lasts only until the next pad, so
+continuing on it would make a turn depend on what the others did).
+
 What is reproducible, bit for bit on the CPU (same llama.cpp build, model, adapter and
 sampler options; tests/test_rollout_reproducibility.py): a completion's tokens and
 log-probs are a function of its seed and context alone, whatever the other requests, their
 order, the llama.cpp thread count and what the cache held before; a conversation's turns
-are a function of its seed and its own history. n_seq_max fixes the rows of every step:
-changing it changed nothing for SmolLM2 Q4_1 (1 to 16), but does for Gemma-3 Q4_K_M (8
-rows or more compute differently), so it is part of what a run must keep (it is in the
-resume signature as training.generation_concurrency). Across builds, machines or GPU
-backends nothing is promised (other kernels). Costs: a prompt is prefilled in pieces of at
-most PREFILL_CHUNK + 2 tokens, one llama_decode each; a step computes pad rows for idle
-streams, and a pad row costs what a live one does (SmolLM2 Q4_1, one thread, AMD EPYC: a
-step of 16 rows 105 ms, 8 rows 59 ms, 1 row 11 ms), so after the last waiting request has
-started, every step costs a full one until the last sequence ends (llama.cpp's own batched
-decode drops finished sequences, but with split KV it also cuts such a batch into one ubatch
-per run of consecutive sequence ids); one sequence alone steps with 2 rows, about 30% slower
-than with 1.
+are a function of its seed and its own history. Recurrent models keep both (tiny lfm2 and
+lfm2moe, f16 and f32 KV, one and two threads; tests/test_sampler_recurrent.py), at the cost of
+prefilling more: a group larger than n_seq_max prefills its prompt again for members started
+later, no prefix is shared between different contexts, and a conversation turn prefills its
+whole history (agent_grpo's prefill_reuse_fraction counts only group members' copies).
+n_seq_max fixes the rows of every step: changing it changed nothing for SmolLM2 Q4_1 (1 to
+16), but does for Gemma-3 Q4_K_M (8 rows or more compute differently), so it is part of
+what a run must keep (it is in the resume signature as training.generation_concurrency).
+Across builds, machines or GPU backends nothing is promised (other kernels). Costs: a
+prompt is prefilled in pieces of at most PREFILL_CHUNK + 2 tokens, one llama_decode each; a
+step computes pad rows for idle streams, and a pad row costs what a live one does (SmolLM2
+Q4_1, one thread, AMD EPYC: a step of 16 rows 105 ms, 8 rows 59 ms, 1 row 11 ms), so after
+the last waiting request has started, every step costs a full one until the last sequence
+ends (llama.cpp's own batched decode drops finished sequences, but with split KV it also
+cuts such a batch into one ubatch per run of consecutive sequence ids); one sequence alone
+steps with 2 rows, about 30% slower than with 1.
 
 Log-probabilities are those of sampling.py.
 """
@@ -76,7 +91,7 @@ from pathlib import Path
 import numpy as np
 
 from retrograd.bundled import default_model_path
-from retrograd.errors import ConfigError, DataError, UnsupportedArchError
+from retrograd.errors import ConfigError, DataError
 from retrograd.sampler.engine import KV_MODES, MAX_SEQUENCES, Engine, Feed, Placement
 from retrograd.sampler.live_adapter import LiveAdapter, RefreshTiming
 from retrograd.sampler.sampling import Sampling, sample_token
@@ -232,11 +247,6 @@ class Sampler:
             n_threads=threads,
         )
         try:
-            if self.engine.recurrent:
-                raise UnsupportedArchError(
-                    f"{path}: this model keeps a recurrent (convolution) state per sequence, which the rollout "
-                    "sampler cannot rewind yet; sft and offline distillation train it, rollout algorithms do not"
-                )
             self.adapter = LiveAdapter(self.engine)
         except BaseException:
             self.engine.close()
@@ -311,7 +321,8 @@ class Sampler:
         self, turns: Sequence[tuple[Conversation, Sequence[int]]], sampling: Sampling
     ) -> list[Completion]:
         """Each conversation's whole token list so far -> its next turn. Only the tokens its
-        cache does not hold are prefilled (Completion.prefilled / .reused say how many)."""
+        cache does not hold are prefilled, all of them for a recurrent model (see the module
+        doc; Completion.prefilled / .reused say how many)."""
         jobs = []
         for i, (conversation, tokens) in enumerate(turns):
             if conversation._sampler is not self or not conversation.open:
@@ -349,8 +360,9 @@ class Sampler:
             return False
         job.slot, slot.busy = slot, True
         n = len(job.context)
-        if job.conversation is not None and job.conversation._turns:
+        if job.conversation is not None and job.conversation._turns and not self.engine.recurrent:
             # a conversation goes on from its own history, whatever other sequences hold
+            # (a recurrent one is prefilled from 0: see the module doc)
             donor, reuse = slot, min(_common_prefix(slot.cached, job.context), n - 1)
         else:
             donor, reuse = self._best_source(slot, job.context, whole=True)
@@ -375,11 +387,14 @@ class Sampler:
     def _shareable(self, source: _Slot, context: tuple[int, ...], whole: bool) -> int:
         """How much of `context` may be taken from `source`'s cache: all of it when `whole`
         and source holds the complete prefill of this very context, else whole aligned
-        pieces of a prefill from position 0, short of the context's last piece."""
+        pieces of a prefill from position 0, short of the context's last piece. A recurrent
+        state cannot be cut back: only a source holding exactly that prefill serves."""
         n = len(context)
         common = _common_prefix(source.cached, context)
-        if whole and source.holds_prefill_of(context):
+        if whole and source.holds_prefill_of(context) and not (self.engine.recurrent and len(source.cached) > n):
             return n
+        if self.engine.recurrent:
+            return 0
         limit = min(common, source.shareable, _last_piece_start(n))
         return limit // PREFILL_CHUNK * PREFILL_CHUNK
 
