@@ -100,7 +100,7 @@ def test_clamped_swiglu_backward_matches_autograd():
     assert (gate > 7).any() and (up.abs() > 7).any()
     ours = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
     ref = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
-    out = tf._GatedProduct.apply(*ours, "swiglu_oai", torch.float32)
+    out = tf.GatedProduct.apply(*ours, "swiglu_oai", torch.float32)
     g = ref[0].clamp(max=7.0)
     expected = g / (1 + torch.exp(-1.702 * g)) * (ref[1].clamp(-7.0, 7.0) + 1)
     assert torch.allclose(out, expected, atol=1e-5)
@@ -127,6 +127,8 @@ def test_window_pattern_and_swa_base_as_llama_cpp_reads_them(tmp_path, ordinary_
         ({"attention.sliding_window_pattern": 3}, None),  # a period of 3: layers 0 and 1 slide
         ({"attention.sliding_window_pattern": 1}, "sliding_window_pattern leaves no sliding-window layer"),  # llama.cpp aborts
         ({"rope.dimension_count": 16}, "gpt-oss needs rope.dimension_count = key_length = value_length, got 16, 32, 32"),
+        ({"attention.sliding_window_pattern": ("yes", "no")}, "sliding_window_pattern is .*expected an array of booleans or integers"),
+        ({"rope.freq_base_swa": 1.0}, "YaRN RoPE scaling with a RoPE base of 1 is undefined"),  # ln(1) = 0 in its correction range
     ],
 )
 def test_window_period_and_refusals(tmp_path, ordinary_text, meta, message):

@@ -273,6 +273,11 @@ class GGUFFile:
         """An array of integers, such as a per-layer head count."""
         return self._typed(key, None, INTEGER_TYPES, "an array of integers", array=True)
 
+    def get_flags(self, key: str) -> list[bool] | None:
+        """An array of booleans or integers (non-zero: true), such as a per-layer switch."""
+        values = self._typed(key, None, INTEGER_TYPES | {GGUFValueType.BOOL}, "an array of booleans or integers", array=True)
+        return None if values is None else [bool(v) for v in values]
+
     def get_strs(self, key: str) -> list[str] | None:
         return self._typed(key, None, {GGUFValueType.STRING}, "an array of strings", array=True)
 

@@ -113,14 +113,14 @@ class ModelSpec:
     # granite: which of attn_output, ffn_gate, ffn_up, ffn_down carry a bias in every layer (llama.cpp
     # creates each as optional and its granite graph adds it; q/k/v biases are qkv_bias)
     biased_projections: tuple[str, ...]
-    # hybrid stacks (lfm2)
+    # hybrid stacks (lfm2, lfm2moe)
     conv_layers: tuple[bool, ...]  # layers whose mixer is a gated short convolution instead of attention
     conv_kernel: int  # shortconv.l_cache: each convolution sees its token and the conv_kernel - 1 before it (0 = none)
     final_norm: str  # GGUF name of the norm before the head (lfm2 stores it as token_embd_norm.weight)
     # fused projections (phi3); llama.cpp splits both outputs in its graph
     fused_qkv: bool  # blk.N.attn_qkv.weight holds q, k and v stacked, in that order
     fused_gate_up: bool  # blk.N.ffn_up.weight holds gate then up ([2 * n_ff, n_embd]), no ffn_gate
-    # mixture of experts (qwen3moe), routed as llama.cpp's build_moe_ffn (src/llama-graph.cpp) does:
+    # mixture of experts (qwen3moe, lfm2moe, gpt-oss), routed as llama.cpp's build_moe_ffn (src/llama-graph.cpp) does:
     # router logits -> gating -> top n_expert_used -> their weights (renormalised, scaled) -> experts
     moe_layers: tuple[bool, ...]  # layers whose FFN is the mixture (all False: a dense model)
     n_expert: int  # expert_count (0 = dense)
@@ -211,8 +211,9 @@ def _vocabulary_size(f: GGUFFile) -> int | None:
 
 
 def _moe_routing(f: GGUFFile, arch: str, n_layer: int) -> dict:
-    """The ModelSpec fields of a mixture of experts (all off for a dense arch). A value
-    MOE_ROUTING fixes for the arch wins over the file's key, as in llama.cpp's graph."""
+    """The ModelSpec fields of a mixture of experts (all off for a dense arch). MOE_ROUTING fixes
+    each arch's renormalisation and scale (llama.cpp's graphs pass them as constants, whatever
+    the file says); the gating and the leading dense layers come from the file where it says None."""
     if arch not in MOE_ROUTING:
         return dict(moe_layers=(False,) * n_layer, n_expert=0, n_expert_used=0, n_ff_exp=0,
                     expert_gating="softmax", expert_weights_norm=False, expert_weights_scale=1.0, expert_selection_bias=False,
@@ -229,8 +230,6 @@ def _moe_routing(f: GGUFFile, arch: str, n_layer: int) -> dict:
         if code not in EXPERT_GATING_FUNCS:
             raise GGUFError(f"{f.path}: metadata {k('expert_gating_func')} is {code}, not one of {sorted(EXPERT_GATING_FUNCS)}")
         gating = EXPERT_GATING_FUNCS[code]
-    norm = fixed["norm"] if fixed["norm"] is not None else f.get(k("expert_weights_norm"), False) is True
-    scale = fixed["scale"] if fixed["scale"] is not None else _float(f, k("expert_weights_scale"), 0.0, positive=False) or 1.0
     first_dense = fixed["first_dense"] if fixed["first_dense"] is not None else _int(f, k("leading_dense_block_count"), 0, minimum=0)
     return dict(
         moe_layers=tuple(i >= first_dense for i in range(n_layer)),
@@ -238,8 +237,8 @@ def _moe_routing(f: GGUFFile, arch: str, n_layer: int) -> dict:
         n_expert_used=n_expert_used,
         n_ff_exp=_int(f, k("expert_feed_forward_length"), 0, minimum=0) or _layer_int(f, k("feed_forward_length"), n_layer) // n_expert_used,
         expert_gating=gating,
-        expert_weights_norm=norm,
-        expert_weights_scale=scale,
+        expert_weights_norm=fixed["norm"],
+        expert_weights_scale=fixed["scale"],
         expert_selection_bias=fixed.get("selection_bias", False),
         expert_biases=fixed.get("biases", False),
     )
@@ -249,10 +248,10 @@ def _swa_pattern(f: GGUFFile, key: str, n_layer: int, default_period: int) -> tu
     """Which layers slide, as llama.cpp reads `key`: one flag per layer, or a period p (layer i
     slides when i % p < p - 1; 0: every layer). llama.cpp asserts (aborting the process) that one does."""
     if f.array_length(key) is not None:
-        flags = f.get(key)
+        flags = f.get_flags(key)
         if len(flags) != n_layer:
             raise GGUFError(f"{f.path}: {key} has {len(flags)} entries for {n_layer} layers")
-        layers = tuple(bool(v) for v in flags)
+        layers = tuple(flags)
     else:
         period = _int(f, key, default_period, minimum=0)
         layers = tuple(period == 0 or i % period < period - 1 for i in range(n_layer))
@@ -372,6 +371,9 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         swa_layers = _swa_pattern(f, k("attention.sliding_window_pattern"), n_layer, default_period=2)
         rope_base_swa = _float(f, k("rope.freq_base_swa"), rope_base)
         biased_projections = ("attn_output",)
+
+    if scaling == "yarn" and 1.0 in (rope_base, rope_base_swa):  # YaRN's correction range divides by log(base)
+        raise GGUFError(f"{f.path}: YaRN RoPE scaling with a RoPE base of 1 is undefined (its correction range divides by ln(base))")
 
     # hybrid stacks: lfm2's gated short-convolution layers
     conv_kernel = _int(f, k("shortconv.l_cache"), minimum=2) if arch in HYBRID_ARCHS else 0

@@ -9,7 +9,7 @@ gated FFN (ffn_gate_exps, ffn_up_exps, ffn_down_exps, one slice of each stack) -
 expert outputs, times their weights, summed pick by pick (as llama.cpp adds its views).
 
 Gradients flow into the weights (through the router's softmax) and through the experts;
-the pick itself is discrete, as in llama.cpp. On CPU the tokens are grouped by expert:
+the pick itself is discrete, as in llama.cpp. The tokens are grouped by expert:
 each expert with tokens runs once over all of them, an expert nobody picked costs nothing,
 and a quantized stack dequantizes only that expert's rows per use (or is held dense, as
 any base weight, under `weights = "auto"`/"bf16"/"f32" or keep_dense).
@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from retrograd.gguf.spec import ModelSpec
 from retrograd.kernels.frozen import FrozenWeight, frozen_linear
-from retrograd.model.transformer import FrozenLinear, _GatedProduct
+from retrograd.model.transformer import FrozenLinear, GatedProduct
 
 # spec.expert_gating -> router logits [T, n_expert] -> the values the pick sorts
 GATINGS = {
@@ -105,7 +105,7 @@ class MoEFeedForward(nn.Module):
         for expert, n in enumerate(counts):
             if n:
                 xe = h.index_select(0, tokens[start : start + n])
-                gated = _GatedProduct.apply(self.ffn_gate_exps(xe, expert), self.ffn_up_exps(xe, expert), self.act, compute_dtype)
+                gated = GatedProduct.apply(self.ffn_gate_exps(xe, expert), self.ffn_up_exps(xe, expert), self.act, compute_dtype)
                 outputs.append(self.ffn_down_exps(gated, expert).float())
                 start += n
         per_slot = torch.cat(outputs).index_select(0, by_expert.argsort())  # back in slot order [T * k, E]

@@ -1,7 +1,7 @@
 """The whole decoder, top to bottom: norm, RoPE, attention, MLP, block, model.
 
 It computes what llama.cpp computes for the same GGUF (src/models/{llama,qwen2,qwen3,
-gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2,phi3,mistral3,openai-moe-iswa}.cpp); architecture differences are ModelSpec
+gemma3,smollm3,gemma2-iswa,granite,olmo2,lfm2,lfm2moe,phi3,mistral3,qwen3moe,openai-moe-iswa}.cpp); architecture differences are ModelSpec
 fields. The residual stream, norms and RoPE run in float32; matmuls and attention run in
 `compute_dtype` (float32 or bfloat16). Base weights are FrozenWeights: no gradient ever reaches them.
 
@@ -398,7 +398,7 @@ GATED_UP = {
 }
 
 
-class _GatedProduct(torch.autograd.Function):
+class GatedProduct(torch.autograd.Function):
     """act(gate) * up in float32 (a LoRA's delta on gate or up is below bf16's resolution
     of them), rounded once to `dtype` for the down projection. Saves only gate and up:
     autograd would keep act(gate) as well."""
@@ -435,7 +435,7 @@ class FeedForward(nn.Module):
     def forward(self, x, compute_dtype):
         h = x.to(compute_dtype)
         gate, up = self.ffn_up(h).chunk(2, dim=-1) if self.ffn_gate is None else (self.ffn_gate(h), self.ffn_up(h))
-        return self.ffn_down(_GatedProduct.apply(gate, up, self.act, compute_dtype))
+        return self.ffn_down(GatedProduct.apply(gate, up, self.act, compute_dtype))
 
 
 class Block(nn.Module):

@@ -28,8 +28,11 @@ def restore_state(checkpoint: Checkpoint, setup, optimizer: torch.optim.Optimize
         lora = checkpoint.tensors("lora.safetensors")
         with torch.no_grad():
             for name, layer in setup.adapter.layers.items():
-                layer.lora_a.copy_(lora[f"{name}.a"])
-                layer.lora_b.copy_(lora[f"{name}.b"])
+                for part, param in (("a", layer.lora_a), ("b", layer.lora_b)):
+                    saved = lora[f"{name}.{part}"]
+                    if saved.shape != param.shape:  # copy_ would broadcast, e.g. one pair into every expert
+                        raise ValueError(f"{name}.{part} has shape {list(saved.shape)}, expected {list(param.shape)}")
+                    param.copy_(saved)
         optimizer.load_state_dict(checkpoint.optimizer_state(optimizer))
         restore_rng(checkpoint.document("rng.json"))
     except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
