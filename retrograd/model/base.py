@@ -124,6 +124,8 @@ def hold_dense(transformer: Transformer, device: torch.device) -> str:
     for w in todo:
         if w is embedding:  # exact float32 rows come from the blocks; its own copy frees the file mapping
             w.data, w.kept = w.data.clone(), w.dense(dtype).contiguous()
+        elif w.name.endswith("ffn_gate_inp.weight"):  # a MoE router multiplies in float32 (moe.py): not rounded to bf16
+            w.data, w.kept = w.dense(torch.float32).contiguous(), None
         else:
             w.data, w.kept = w.dense(dtype).contiguous(), None
     return f"auto: dense {dtype_name} ({cost / 2**20:.0f} MiB; budget {budget})"
