@@ -1,12 +1,13 @@
-"""LoRA GGUF files for tests, written straight from numpy (no torch model, no training):
-random A and B on every attention and FFN weight of a base GGUF, large enough to change
-what the model says."""
+"""LoRA for tests without training: GGUF files written straight from numpy (random A and B on
+every attention and FFN weight of a base GGUF, large enough to change what the model says),
+and a non-zero B for an attached Adapter."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from retrograd.gguf.adapter import LoRAWeights, write_adapter
 from retrograd.gguf.file import GGUFFile
@@ -27,3 +28,13 @@ def random_adapter(model: Path, path: Path, *, seed: int = 0, rank: int = 4, sca
     return write_adapter(
         path, tensors, arch=base.get_str("general.architecture"), alpha=float(rank), base_shapes=shapes
     )
+
+
+def randomise_b(adapter, scale: float = 0.05, seed: int = 1):
+    """Give every LoRA of an attached Adapter a random B (PEFT starts it at zero, which would
+    make the adapter invisible), as after some training. Returns the adapter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in adapter.layers.values():
+            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=generator) * scale)
+    return adapter

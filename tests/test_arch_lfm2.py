@@ -13,6 +13,7 @@ import pytest
 import torch
 from arch_checks import assert_adapter_reproduced
 from llama_ref import llama_logits
+from lora_files import randomise_b
 
 import retrograd
 from retrograd.config import load_config
@@ -104,10 +105,7 @@ def test_adapter_on_attention_conv_and_ffn_reproduces_our_logits_in_llama_cpp(tm
     base = tiny_model("lfm2")
     model = retrograd.load_model(base)
     adapter = attach_lora(model.transformer, ["q", "k", "v", "o", "ffn_up", "ffn_down", "ffn_gate", *CONV_PROJECTIONS], 4, 8.0, seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in adapter.layers.values():
-            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=generator) * 0.05)
+    randomise_b(adapter)
     shapes = {w.name: w.shape for w in model.transformer.frozen_weights()}
     path = write_adapter(tmp_path / "lfm2-lora.gguf", adapter_tensors(adapter), arch="lfm2", alpha=8.0, base_shapes=shapes)
     assert set(assert_adapter_reproduced(base, path, ordinary_text, changed_by=1e-2).layers) == set(adapter.layers)

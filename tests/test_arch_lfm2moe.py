@@ -13,6 +13,7 @@ import torch
 from arch_checks import assert_adapter_reproduced, assert_matches_llama_cpp, sft_memorising_one_chat
 from gguf_factory import TINY_ARCHS, write_tiny_model
 from llama_ref import llama_logits
+from lora_files import randomise_b
 
 import retrograd
 from retrograd.errors import GGUFError
@@ -102,10 +103,7 @@ def test_adapter_on_attention_conv_dense_ffn_experts_and_router_reproduces_our_l
     base = tiny_model("lfm2moe")
     model = retrograd.load_model(base)
     adapter = attach_lora(model.transformer, [*ALL_TARGETS, ROUTER], 4, 8.0, seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in adapter.layers.values():
-            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=generator) * 0.05)
+    randomise_b(adapter)
     shapes = {w.name: w.shape for w in model.transformer.frozen_weights()}
     path = write_adapter(tmp_path / "lfm2moe-lora.gguf", adapter_tensors(adapter), arch="lfm2moe", alpha=8.0, base_shapes=shapes)
     assert read_adapter(path).tensors["blk.2.ffn_down_exps.weight"].b.shape == (4, 64, 4)

@@ -12,7 +12,7 @@ from arch_checks import assert_adapter_reproduced, sft_memorising_one_chat
 from gguf import GGMLQuantizationType as QT
 from gguf_factory import TINY_ARCHS, write_tiny_model
 from llama_ref import llama_logits
-from lora_files import random_adapter
+from lora_files import random_adapter, randomise_b
 
 import retrograd
 from retrograd.config import load_config
@@ -99,10 +99,7 @@ def test_live_adapter_on_experts_reaches_the_sampler(tiny_model):
     base = tiny_model("qwen3moe")
     model = retrograd.load_model(base)
     adapter = attach_lora(model.transformer, ["auto"], rank=4, alpha=8.0, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in adapter.layers.values():
-            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen) * 0.05)
+    randomise_b(adapter)
     prompt = model.tokenize("The capital of France is")
     with Sampler(base, SamplerOptions(n_ctx=64, n_seq_max=2, kv_dtype="f32", n_threads=1)) as s:
         s.set_adapter(adapter)

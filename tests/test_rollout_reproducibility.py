@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from lora_files import randomise_b
 
 import retrograd
 from retrograd.gguf.adapter import adapter_tensors
@@ -66,10 +66,7 @@ def trained(smollm2):
     """(tensors, alpha) of a rank-8 LoRA on all seven families with non-zero B, as after
     some training: with it, a one-row ubatch is measurably not a many-row one."""
     adapter = attach_lora(retrograd.load_model(smollm2).transformer, ["auto"], rank=8, alpha=16.0, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in adapter.layers.values():
-            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen) * 0.02)
+    randomise_b(adapter, 0.02)
     return adapter_tensors(adapter), adapter.alpha
 
 

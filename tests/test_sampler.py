@@ -5,6 +5,7 @@ the live adapter, multi-turn cache reuse and the one-line errors."""
 import numpy as np
 import pytest
 import torch
+from lora_files import randomise_b
 
 import retrograd
 from retrograd.errors import DataError
@@ -117,10 +118,7 @@ def test_logprobs_are_the_tempered_softmax_of_llama_logits(smollm2, chat):
 def trained_adapter(smollm2):
     """A rank-8 LoRA on all seven families with non-zero B, as after some training."""
     adapter = attach_lora(retrograd.load_model(smollm2).transformer, ["auto"], rank=8, alpha=16.0, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in adapter.layers.values():
-            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen) * 0.02)
+    randomise_b(adapter, 0.02)
     return adapter
 
 

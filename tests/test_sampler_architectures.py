@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf_factory import TINY_ARCHS, write_phi3_long_rope
+from lora_files import randomise_b
 
 import retrograd
 from retrograd.config import parse_config
@@ -44,10 +45,7 @@ UNBOUND = {
 def _trained_adapter(model):
     """LoRA on `auto` with non-zero B, as after some updates."""
     adapter = attach_lora(model.transformer, ["auto"], rank=4, alpha=8.0, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in adapter.layers.values():
-            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen) * 0.05)
+    randomise_b(adapter)
     return adapter
 
 

@@ -8,6 +8,7 @@ bit-for-bit reproducibility whatever the other requests, and to one GRPO update.
 
 import pytest
 import torch
+from lora_files import randomise_b
 from test_grpo import write_config
 from test_sampler_architectures import ATOL, TEMPERATURE, _gap, _our_logprobs
 
@@ -30,10 +31,7 @@ def hybrid(request, tiny_model):
     model = retrograd.load_model(path)
     adapter = attach_lora(model.transformer, [*DEFAULT_TARGETS, *CONV_PROJECTIONS], rank=4, alpha=8.0, seed=0)
     assert any("shortconv" in name for name in adapter.layers)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in adapter.layers.values():
-            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen) * 0.05)
+    randomise_b(adapter)
     return path, model, adapter
 
 
