@@ -31,8 +31,8 @@ SUPPORTED_ARCHS += ("qwen3moe",)
 ROPE_STYLE |= {"qwen3moe": "neox"}
 # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values (the expert_gating_func key)
 EXPERT_GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
-# arch -> the routing llama.cpp's graph fixes for it whatever the file says (None: read the file's
-# key). qwen3moe: softmax, always renormalised, never scaled (its load_hparams reads no scale)
+# arch -> the routing llama.cpp's graph fixes for it whatever the file says (gating or first_dense
+# None: read the file's key). qwen3moe: softmax, always renormalised, never scaled (its load_hparams reads no scale)
 MOE_ROUTING = {"qwen3moe": dict(gating="softmax", norm=True, scale=1.0, first_dense=0)}
 # lfm2moe: lfm2's hybrid stack, dense FFNs in the first leading_dense_block_count layers, then a
 # mixture gated as expert_gating_func says (sigmoid in LFM2-8B-A1B), always renormalised, never scaled
