@@ -40,6 +40,7 @@ from retrograd.rollouts.sandbox import EnvironmentOptions, PoolOptions, SandboxE
 from retrograd.rollouts.scenarios import load_scenarios
 from retrograd.rollouts.tools import ToolCatalog
 from retrograd.sampler import Sampler, SamplerOptions
+from retrograd.training.timeline import PhaseClock
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples/agent"
 COLUMNS = ["traj/min", "gen s", "tools s", "env s", "verify s", "acquire ms", "calls", "prefill %", "prefilled",
@@ -72,7 +73,7 @@ def collect(sampler, chat, pool, options, scenario, args, *, reuse: bool, clock:
     forget_kv_cache(sampler)  # every collection starts cold, its group prompt included
     pool.prewarm(wait=True)
     pool.metrics(reset=True)
-    timing, clock.seconds = {}, 0.0
+    timing, clock.seconds = PhaseClock(), 0.0
     start = time.perf_counter()
     trajectories = engine.collect([Request(scenario, 0, j, 1000 + j) for j in range(args.group)], timing)
     wall = time.perf_counter() - start

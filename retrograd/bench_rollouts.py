@@ -49,6 +49,7 @@ from retrograd.rollouts.agent import AgentRollouts, Request, Trajectory, traject
 from retrograd.rollouts.rewards import make_reward
 from retrograd.sampler import GroupRequest, Sampler, Sampling
 from retrograd.training.report import Reporter
+from retrograd.training.timeline import PhaseClock
 
 DEFAULT_SAMPLES = 4  # completions per prompt
 SUCCESS_AT = 1.0  # GRPO: the reward a completion must reach to count as a success
@@ -208,7 +209,7 @@ def bench_agent_grpo(cfg: Config, reporter: Reporter, options: BenchOptions) -> 
 
             def run(chunk: range) -> list[list[Sample]]:
                 requests = [Request(scenarios[i], i, j, completion_seed(a.seed + 1, i, j)) for i in chunk for j in range(k)]
-                trajectories = rollouts.collect(requests, {})
+                trajectories = rollouts.collect(requests, PhaseClock())
                 return [[_verified(t) for t in trajectories[n * k:(n + 1) * k]] for n in range(len(chunk))]
 
             base, tuned = _passes(sampler, adapter, len(scenarios), max(1, rollouts.concurrency // k), run, reporter, "scenarios")

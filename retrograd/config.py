@@ -103,6 +103,8 @@ class TrainingSection:
     # rollout algorithms only
     generation_concurrency: int | None = key(None, ge=1)
     generation_batch: int = key(0, ge=0)
+    generation_threads: int | None = key(None, ge=1)  # llama.cpp's CPU threads; None: training.threads
+    max_async_rollout: int = key(0, ge=0)  # updates the sampler may run ahead of the trainer
     fast_sampling_context: bool = key(True)
     kv_dtype: str = key("f16", choices=("f16", "f32"))
 
@@ -290,7 +292,8 @@ COMMON_SECTIONS = ("run", "model", "output", "lora", "training", "evaluation", "
 ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe"), "agent_grpo": ("agent", "observe"), "distill": ("distill",)}
 REQUIRED_SECTIONS = ("run", "output")
 DEFAULTED_SECTIONS = ("model", "lora", "training", "metrics")
-ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "fast_sampling_context", "kv_dtype")
+ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "generation_threads", "fast_sampling_context",
+                              "kv_dtype", "max_async_rollout")
 # Passes over the data of one update, per rollout algorithm: training.epochs is SFT's.
 ROLLOUT_EPOCH_KEYS = {"grpo": "grpo.grpo_epochs", "agent_grpo": "agent.epochs_per_update",
                       "distill": "distill.distill_epochs (on_policy) or distill.offline_epochs (topk_offline)"}
@@ -406,6 +409,8 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
         problems.append("training.checkpoint_dtype needs training.gradient_checkpointing = true")
     distill: DistillSection | None = s.get("distill")
     offline = distill is not None and distill.mode == "topk_offline"
+    if offline and training.max_async_rollout:
+        problems.append("training.max_async_rollout applies to rollout algorithms; distill mode 'topk_offline' samples nothing")
     if algorithm in ROLLOUT_EPOCH_KEYS and "training.epochs" in explicit:
         problems.append(f"training.epochs does not apply to {algorithm}: set {ROLLOUT_EPOCH_KEYS[algorithm]}")
     if algorithm in ("grpo", "agent_grpo", "distill") and not offline and "training.gradient_accumulation" in explicit:

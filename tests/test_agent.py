@@ -19,7 +19,7 @@ from retrograd.errors import DataError
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import read_spec
 from retrograd.model.tokenizer import Tokenizer
-from retrograd.recipes.agent_grpo import AgentLoop, open_task
+from retrograd.recipes.agent_grpo import open_task, train
 from retrograd.recipes.common import prepare
 from retrograd.rollouts.agent import AgentRollouts, Request, RolloutLimits
 from retrograd.rollouts.sandbox import EnvironmentOptions, Limits, open_environment
@@ -27,6 +27,7 @@ from retrograd.rollouts.scenarios import load_scenarios
 from retrograd.rollouts.tools import ToolCatalog
 from retrograd.sampler import Completion, Sampler, SamplerOptions
 from retrograd.training.report import SilentReporter
+from retrograd.training.timeline import PhaseClock
 
 TOOLS = {
     "default": "mini",
@@ -91,7 +92,7 @@ def rollouts(tmp_path, chat, pool_and_options, scripts, scenario=SCENARIO, **lim
     engine = AgentRollouts(policy, chat, pool, options, RolloutLimits(**({"max_turns": 4, "max_new_tokens_per_turn": 64,
                            "max_trajectory_tokens": 1024, "max_rollout_secs": 60} | limits)), concurrency=8)
     requests = [Request(scenario, 0, j, j) for j in range(len(scripts))]
-    return engine.collect(requests, {}), policy
+    return engine.collect(requests, PhaseClock()), policy
 
 
 def sampled_runs(mask: list[bool]) -> list[tuple[int, int]]:
@@ -118,7 +119,7 @@ def test_the_mask_marks_exactly_the_sampled_tokens_of_an_sft_identical_sequence(
     (t,), policy = rollouts(tmp_path, chat, local_pool, [script])
     assert t.stop == "no_tool_call" and t.terminal_reward == 1.0 and len(t.turns) == 4
     runs = sampled_runs(t.mask)
-    assert [t.tokens[a:b] for a, b in runs] == policy.turns  # the policy's own tokens, never re-tokenized
+    assert [list(t.tokens[a:b]) for a, b in runs] == policy.turns  # the policy's own tokens, never re-tokenized
     assert t.tokens[-1] == policy.end[0] and t.mask[-1]  # nothing trained follows the last turn
 
     messages = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "Write 42 to answer.txt."}]
@@ -132,7 +133,7 @@ def test_the_mask_marks_exactly_the_sampled_tokens_of_an_sft_identical_sequence(
     ids, mask = encode_conversation(chat, parse_conversation(record, "sft"), "sft")
     ours = [*t.prompt, *t.tokens]
     assert ours == ids[: len(ours)]
-    assert [False] * len(t.prompt) + t.mask == mask[: len(ours)]
+    assert [False] * len(t.prompt) + list(t.mask) == mask[: len(ours)]
     assert chat.tokenizer.decode(ids[len(ours):]) == "\n"  # SFT's render only adds the template's last newline
 
 
@@ -152,7 +153,7 @@ def test_a_template_with_native_tools_renders_the_catalogue_and_observations_its
     text = chat.tokenizer.decode([*t.prompt, *t.tokens])
     assert text.startswith("<|im_start|>system\n# Tools\n{\"type\": \"function\"") and "<tools>" not in text
     assert "<|im_start|>tool\nthe answer is 42\n<|im_end|>\n<|im_start|>assistant\nIt says 42.<|im_end|>" in text
-    assert [t.tokens[a:b] for a, b in sampled_runs(t.mask)] == policy.turns
+    assert [list(t.tokens[a:b]) for a, b in sampled_runs(t.mask)] == policy.turns
 
 
 def test_a_template_that_rewrites_one_turn_ends_that_trajectory_and_one_that_rewrites_every_turn_is_refused(
@@ -194,7 +195,7 @@ def test_turn_endings_and_truncations(tmp_path, chat, local_pool):
         if name == "malformed calls":
             assert "not valid JSON" in t.turns[0].note
         if name == "clock":  # out of time before any turn: nothing sampled, nothing verified
-            assert t.tokens == [] and t.terminal_reward is None
+            assert t.tokens == () and t.terminal_reward is None
         elif name == "submit":
             assert t.terminal_reward == 1.0
     room = len(t.prompt) + 80  # the second read_file turn gets only what is left of the trajectory
@@ -209,13 +210,12 @@ def test_step_rewards_start_after_their_turn_and_a_broken_tool_costs_its_traject
                [call("write_file", path="answer.txt", content="41"), "done"]]
     (scored, broken, wrong), _ = rollouts(tmp_path, chat, local_pool, scripts)
     first_turn_end = sampled_runs(scored.mask)[0][1]
-    assert scored.step_rewards == [(first_turn_end, 0.5)] and scored.terminal_reward == 1.0
+    assert scored.step_rewards == ((first_turn_end, 0.5),) and scored.terminal_reward == 1.0
     assert broken.stop == "sandbox_broken" and broken.failed and broken.terminal_reward is None
     assert "broke the json protocol" in broken.turns[0].calls[0].content
     assert wrong.stop == "no_tool_call" and wrong.terminal_reward == 0.0
 
-    scored.advantage = 0.25
-    per_token = scored.token_advantages()
+    per_token = scored.token_advantages(0.25)
     assert per_token.shape == (sum(scored.mask),)
     n_first = first_turn_end  # the first turn's sampled tokens are the first n of the mask
     # the first turn earned the step reward: its tokens get +0.5 above the later ones, centred on the mean
@@ -242,7 +242,7 @@ def test_later_turns_prefill_only_the_new_tokens(tmp_path, tiny_model, chat, loc
     with Sampler(tiny_model("llama"), SamplerOptions(n_ctx=1024, n_seq_max=4, n_threads=2)) as sampler:
         for reuse in (True, False):
             engine = AgentRollouts(sampler, chat, *local_pool, limits, concurrency=4, reuse_kv=reuse)
-            outcome[reuse] = engine.collect(requests, {})
+            outcome[reuse] = engine.collect(requests, PhaseClock())
             sampler.set_adapter(None)
     for t in outcome[True]:
         assert len(t.turns) == 3 and t.turns[0].prefilled + t.turns[0].reused == len(t.prompt)
@@ -306,7 +306,7 @@ min_idle = 1
     try:
         setup = prepare(cfg, SilentReporter(), task.chat)
         policy = ScriptedPolicy(task.chat.tokenizer, scripts)
-        result = AgentLoop(cfg, setup, policy, task, SilentReporter()).run(None)
+        result = train(cfg, setup, policy, task, SilentReporter())
     finally:
         task.close()
     assert result.updates_done == 1 and result.steps == 1 and result.output.is_file()

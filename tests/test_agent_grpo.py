@@ -18,6 +18,7 @@ from retrograd.config import load_config
 from retrograd.recipes import agent_grpo
 from retrograd.rollouts.rewards import RewardError
 from retrograd.training.report import SilentReporter
+from retrograd.training.rollout_loop import RolloutRunStopped
 
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 ECHO_CALL = {
@@ -107,7 +108,7 @@ def test_updates_complete_on_smollm2_with_the_real_sampler(tmp_path):
 def test_a_failing_judge_drops_its_group_or_stops_the_run(tmp_path, tiny_model):
     cfg = write_run(tmp_path, model=tiny_model("llama"), scenarios=(JUDGED,), scenarios_per_update=1,
                     judge="import sys\nsys.exit(3)\n")
-    with pytest.raises(agent_grpo.AgentRunStopped, match=r"update 1: 4 of 4 trajectories dropped \(0 truncated, 0 failed, 4 unscored\)"):
+    with pytest.raises(RolloutRunStopped, match=r"update 1: 4 of 4 trajectories dropped \(0 truncated, 0 failed, 4 unscored\)"):
         agent_grpo.run(load_config(cfg), SilentReporter())
     assert rows(tmp_path / "out/rollouts.jsonl")[0]["skip_reason"] == "unscored"
     cfg.write_text(cfg.read_text().replace("max_new_tokens_per_turn = 24", 'max_new_tokens_per_turn = 24\njudge_failure = "fail"'))

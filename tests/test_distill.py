@@ -89,7 +89,7 @@ def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model, monkeypatch):
         extra='[evaluation]\ndata = "prompts.jsonl"\nmax_examples = 3\n[checkpoint]\ndirectory = "ckpt"\nmode = "best_eval"',
     )
     result = distill.run(load_config(cfg), SilentReporter())
-    assert (result.done, result.steps) == (2, 4)
+    assert (result.updates_done, result.steps) == (2, 4)
     assert read_adapter(result.output).tensors and (tmp_path / "ckpt/best.gguf").is_file()
     rows = records(tmp_path / "out/metrics.jsonl")
     updates = [r for r in rows if "distill/teacher_kl_mean" in r]
@@ -125,8 +125,8 @@ def test_on_policy_jsd_pipeline_with_the_torch_teacher(tmp_path, tiny_model):
         distill_keys='loss = "jsd"\njsd_beta = 0.5\ntopk = 8\nteacher_backend = "torch"\nkl_coefficient = 0.02',
     )
     result = distill.run(load_config(cfg), SilentReporter())
-    assert (result.done, result.steps) == (2, 2)
-    first, second = result.records
+    assert (result.updates_done, result.steps) == (2, 2)
+    first, second = (r.metrics for r in result.records)
     assert 0 < first["distill/jsd"] <= first["train/loss"] and first["policy/kl"] == 0.0 < second["policy/kl"]
 
 
@@ -136,8 +136,8 @@ def test_mask_truncated_trains_nothing_when_every_completion_is_cut(tmp_path, ti
         tmp_path, tiny_model("llama"), tiny_model("llama", seed=1), distill_keys="mask_truncated = true", updates=1
     )
     result = distill.run(load_config(cfg), SilentReporter())
-    assert result.steps == 0 and result.records[0]["completions/truncation_fraction"] == 1.0
-    assert result.records[0]["batch/trained_fraction"] == 0.0
+    assert result.steps == 0 and result.records[0].metrics["completions/truncation_fraction"] == 1.0
+    assert result.records[0].metrics["batch/trained_fraction"] == 0.0
 
 
 def _make_student():
@@ -215,7 +215,7 @@ max_new_tokens = {ANSWER_TOKENS}
 """)
     config = load_config(cfg)
     result = distill.run(config, SilentReporter())
-    assert (result.done, result.steps) == (8, 8)
+    assert (result.updates_done, result.steps) == (8, 8)
 
     teacher_model = retrograd.load_model(teacher, weights="f32")
     student_model = retrograd.load_model(student, weights="f32")

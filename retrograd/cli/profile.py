@@ -11,9 +11,10 @@ from retrograd.cli import app
 from retrograd.cli.options import ModelOpt
 
 
-@app.command(epilog="Example: bin/profile examples/smoke_tiny_grpo.toml --group-size 8 --max-new-tokens 16")
+@app.command(epilog="Examples: bin/profile examples/smoke_tiny_grpo.toml --group-size 8 --max-new-tokens 16 | "
+                    "bin/profile --timeline out/smoke_grpo/timeline.jsonl")
 def profile(
-    config: Path = typer.Argument(..., help="A grpo or agent_grpo run's TOML file."),
+    config: Optional[Path] = typer.Argument(None, help="A grpo or agent_grpo run's TOML file."),
     model: ModelOpt = None,
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or gpu (overrides [model].device)."),
     updates: Optional[int] = typer.Option(None, "--updates", min=1, help="Updates to run (default 1)."),
@@ -22,12 +23,24 @@ def profile(
     prompts: Optional[int] = typer.Option(None, "--prompts", min=1, help="Prompts (grpo) or scenarios (agent_grpo) per update (default 3 / 2)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Per completion, or per turn for agent_grpo (default: as configured)."),
     full: bool = typer.Option(False, "--full", help="Run the workload as configured instead of the short default."),
+    timeline: Optional[Path] = typer.Option(
+        None, "--timeline", metavar="TIMELINE_JSONL",
+        help="Run nothing: summarise a finished run's timeline.jsonl (busy and waiting time per side, the bottleneck)."),
 ) -> None:
     """Run a short GRPO or agentic GRPO workload and report where the time and memory go."""
     from retrograd.cli.train import sampler_warning
     from retrograd.config import load_config
-    from retrograd.profile import Workload
+    from retrograd.errors import ConfigError
+    from retrograd.profile import Workload, timeline_summary
     from retrograd.profile import profile as run_profile
+
+    if timeline is not None:
+        if config is not None:
+            raise ConfigError("profile: give a CONFIG to run or --timeline to read, not both")
+        typer.echo("\n".join(timeline_summary(timeline)))
+        return
+    if config is None:
+        raise ConfigError("profile: expected a CONFIG.toml to run (or --timeline TIMELINE_JSONL)")
 
     cfg = load_config(config).with_overrides(model=model, device=device)
     warning = sampler_warning(cfg)

@@ -33,7 +33,7 @@ from retrograd.training.checkpoint import Checkpoint, content_hash, file_fingerp
 from retrograd.training.report import Reporter
 
 # settings that never change what is computed, left out of the resume signature
-UNSIGNED_TRAINING_KEYS = ("threads", "max_gpu_duty_cycle", "require_gpu_resident")
+UNSIGNED_TRAINING_KEYS = ("threads", "generation_threads", "max_gpu_duty_cycle", "require_gpu_resident")
 SAME_NUMBERS = {"auto": "quantized"}  # weight modes that compute the same bits sign alike
 
 
@@ -237,7 +237,8 @@ def resume_point(cfg: Config, resume: Path | bool | None, reporter: Reporter) ->
 
 def rollout_sampler_options(cfg: Config, sequences_per_update: int, n_ctx: int | None = None) -> SamplerOptions:
     """llama.cpp decodes one sequence per completion of an update together (at most 64 unless
-    training.generation_concurrency says otherwise), each up to `n_ctx` tokens (training.ctx)."""
+    training.generation_concurrency says otherwise), each up to `n_ctx` tokens (training.ctx),
+    on training.generation_threads CPU threads (default training.threads)."""
     t = cfg.training
     concurrency = t.generation_concurrency or min(sequences_per_update, 64)
     return SamplerOptions(
@@ -245,5 +246,5 @@ def rollout_sampler_options(cfg: Config, sequences_per_update: int, n_ctx: int |
         n_seq_max=concurrency,
         n_batch=t.generation_batch or max(512, concurrency),
         kv_dtype=t.kv_dtype if t.fast_sampling_context else "f32",
-        n_threads=t.threads or 0,
+        n_threads=t.generation_threads or t.threads or 0,
     )

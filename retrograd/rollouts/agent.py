@@ -42,7 +42,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,6 +58,7 @@ from retrograd.rollouts.sandbox import EnvironmentOptions, Sandbox, SandboxBroke
 from retrograd.rollouts.scenarios import Scenario
 from retrograd.rollouts.tools import ToolResult
 from retrograd.sampler import Sampling
+from retrograd.training.timeline import PhaseClock
 
 ENDED = ("no_tool_call", "submitted")
 TRUNCATED = ("max_turns", "max_trajectory_tokens", "max_rollout_secs", "max_failed_turns", "template_rewrote_turn")
@@ -101,7 +102,7 @@ class Request:
     seed: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToolStep:
     name: str
     arguments: dict
@@ -110,7 +111,7 @@ class ToolStep:
     reward: float | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Turn:
     text: str  # the policy's sampled bytes as text, without a final end-of-generation token
     n_tokens: int
@@ -118,31 +119,28 @@ class Turn:
     prefilled: int  # context tokens the sampler decoded for this turn
     reused: int  # context tokens it found in the KV cache
     start: int  # where its tokens begin in Trajectory.tokens
-    calls: list[ToolStep] = field(default_factory=list)
+    calls: tuple[ToolStep, ...] = ()
     note: str | None = None  # the error observation of a turn without a valid call
 
 
-@dataclass
+@dataclass(frozen=True)
 class Trajectory:
+    """One finished episode as `collect` returns it; a recipe that scores it further (a
+    judge) makes a new record rather than changing this one."""
+
     scenario: Scenario
     group: int
     member: int
     seed: int
     prompt: tuple[int, ...]  # the rendered scenario up to the first assistant header (shared by the group)
-    tokens: list[int] = field(default_factory=list)  # after the prompt, ending with the last sampled token
-    mask: list[bool] = field(default_factory=list)  # True where the policy sampled the token
-    logprobs: list[float] = field(default_factory=list)  # the sampler's, one per sampled token
-    policy_logprobs: list[float] | None = None  # torch's, one per sampled token, before the update (trained ones)
-    turns: list[Turn] = field(default_factory=list)
-    step_rewards: list[tuple[int, float]] = field(default_factory=list)  # (index in tokens where it starts, reward)
-    stop: str | None = None
-    terminal_reward: float | None = None  # verify's (or, set by the recipe, the judge's)
-    seconds: float = 0.0  # wall time from the first turn to the end of verify
-    # decided when the group is scored
-    reward: float = 0.0
-    live: bool = False
-    advantage: float = 0.0
-    skip_reason: str | None = None
+    tokens: tuple[int, ...]  # after the prompt, ending with the last sampled token
+    mask: tuple[bool, ...]  # True where the policy sampled the token
+    logprobs: tuple[float, ...]  # the sampler's, one per sampled token
+    turns: tuple[Turn, ...]
+    step_rewards: tuple[tuple[int, float], ...]  # (index in tokens where it starts, reward)
+    stop: str
+    terminal_reward: float | None  # verify's (or, in a record the recipe makes, the judge's)
+    seconds: float  # wall time from the first turn to the end of verify
 
     @property
     def truncated(self) -> bool:
@@ -157,15 +155,15 @@ class Trajectory:
         """What a judge reads: the assistant turns' text without end-of-generation tokens."""
         return "\n".join(turn.text for turn in self.turns)
 
-    def token_advantages(self) -> torch.Tensor:
+    def token_advantages(self, advantage: float) -> torch.Tensor:
         """[] the group advantage, or [n_sampled] with the intermediate returns of the
         step rewards added (notes §4.6) when there are any."""
         if not self.step_rewards:
-            return torch.tensor(self.advantage)
+            return torch.tensor(advantage)
         mask = torch.tensor(self.mask)[None]  # [1, T]
         starts = torch.tensor([s for s, _ in self.step_rewards])[None]  # [1, S]
         rewards = torch.tensor([r for _, r in self.step_rewards], dtype=torch.float64)[None]  # [1, S]
-        per_token = add_intermediate_returns(torch.tensor([self.advantage], dtype=torch.float64), mask, starts, rewards,
+        per_token = add_intermediate_returns(torch.tensor([advantage], dtype=torch.float64), mask, starts, rewards,
                                              torch.ones_like(starts, dtype=torch.bool))  # [1, T]
         return per_token[mask].float()  # [n_sampled]
 
@@ -177,23 +175,47 @@ def trajectory_reward(t: Trajectory) -> float:
 
 @dataclass
 class _Live:
-    """A trajectory while it runs: its sandbox, sampler conversation and chat state."""
+    """A trajectory while it runs: what it has so far, its sandbox, sampler conversation and
+    chat state. `finished` makes the Trajectory record."""
 
-    trajectory: Trajectory
-    sandbox: Sandbox | None
-    conversation: object  # retrograd.sampler.Conversation
-    messages: list[dict]
-    calls: list[tuple[ToolCall, ...]]  # per assistant turn, as data.messages.Conversation holds them
+    request: Request
+    prompt: tuple[int, ...]
     rendered: str  # the conversation's render up to the open assistant header
-    started: float
+    messages: list[dict]
+    sandbox: Sandbox | None = None
+    conversation: object = None  # retrograd.sampler.Conversation
+    started: float = 0.0
+    seconds: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    step_rewards: list[tuple[int, float]] = field(default_factory=list)
+    stop: str | None = None
+    terminal_reward: float | None = None
+    calls: list[tuple[ToolCall, ...]] = field(default_factory=list)  # per assistant turn, as data.messages.Conversation holds them
     failed_turns: int = 0
     content: str = ""  # this turn's text as the assistant message holds it (no end-of-generation token)
     pending: list[ToolCall] = field(default_factory=list)  # this turn's parsed calls
     done: bool = False
 
     @property
+    def scenario(self) -> Scenario:
+        return self.request.scenario
+
+    @property
     def context(self) -> list[int]:
-        return [*self.trajectory.prompt, *self.trajectory.tokens]
+        return [*self.prompt, *self.tokens]
+
+    def finished(self) -> Trajectory:
+        """The record, cut after its last sampled token (nothing after it is trained)."""
+        end = len(self.mask)
+        while end and not self.mask[end - 1]:
+            end -= 1
+        r = self.request
+        return Trajectory(r.scenario, r.group, r.member, r.seed, self.prompt, tuple(self.tokens[:end]), tuple(self.mask[:end]),
+                          tuple(self.logprobs), tuple(self.turns), tuple(self.step_rewards), self.stop, self.terminal_reward,
+                          self.seconds)
 
 
 def render(chat: ChatFormat, scenario: Scenario, messages: list[dict], calls: list[tuple[ToolCall, ...]]) -> str:
@@ -245,69 +267,71 @@ class AgentRollouts:
 
     # ---------------------------------------------------------------- collection
 
-    def collect(self, requests: Sequence[Request], timing: dict) -> list[Trajectory]:
-        """Trajectories in the order of `requests`, in waves of `concurrency`. `timing` gains
-        environment (acquire, setup, release), generation, tools and reward (verify) seconds."""
+    def collect(self, requests: Sequence[Request], clock: PhaseClock) -> list[Trajectory]:
+        """Trajectories in the order of `requests`, in waves of `concurrency`. `clock` times
+        environment (acquire, setup, release), generation, tools and reward (verify)."""
         out = []
         for start in range(0, len(requests), self.concurrency):
-            out += self._wave(requests[start:start + self.concurrency], timing)
+            out += self._wave(requests[start:start + self.concurrency], clock)
         return out
 
-    def _wave(self, requests: Sequence[Request], timing: dict) -> list[Trajectory]:
-        trajectories = [Trajectory(r.scenario, r.group, r.member, r.seed, self.prompt(r.scenario)) for r in requests]
-        lives: list[_Live] = []
+    def _wave(self, requests: Sequence[Request], clock: PhaseClock) -> list[Trajectory]:
+        lives = [_Live(r, self.prompt(r.scenario), self._prompts[r.scenario.source][0], r.scenario.messages()) for r in requests]
         with ThreadPoolExecutor(max_workers=len(requests), thread_name_prefix="retrograd-agent") as threads:
-            sandboxes = _timed(timing, "environment", _each, threads, self._open_sandbox, trajectories)
+            with clock.phase("environment"):
+                _each(threads, self._open_sandbox, lives)
+            opened: list[_Live] = []
             try:
-                conversations = self.sampler.open([t.seed for t in trajectories])
+                conversations = self.sampler.open([r.seed for r in requests])
                 started = time.monotonic()
-                lives = [_Live(t, box, conv, t.scenario.messages(), [], self._prompts[t.scenario.source][0], started)
-                         for t, box, conv in zip(trajectories, sandboxes, conversations)]
-                running = [live for live in lives if live.trajectory.stop is None]
+                for live, conversation in zip(lives, conversations):
+                    live.conversation, live.started = conversation, started
+                    opened.append(live)
+                running = [live for live in lives if live.stop is None]
                 while running:
                     self._check_clock(running)
-                    running = [live for live in running if live.trajectory.stop is None]
+                    running = [live for live in running if live.stop is None]
                     if not running:
                         break
-                    _timed(timing, "generation", self._sample, running)
-                    _timed(timing, "tools", _each, threads, self._act, running)
+                    with clock.phase("generation"):
+                        self._sample(running)
+                    with clock.phase("tools"):
+                        _each(threads, self._act, running)
                     self._check_clock(running)
                     for live in running:
                         self._continue(live)
-                    running = [live for live in running if live.trajectory.stop is None]
-                _timed(timing, "reward", _each, threads, self._verify, lives)
+                    running = [live for live in running if live.stop is None]
+                with clock.phase("reward"):
+                    _each(threads, self._verify, lives)
             finally:
-                for live in lives:
+                for live in opened:
                     live.conversation.close()
-                    live.trajectory.seconds = time.monotonic() - live.started
-                _timed(timing, "environment", _each, threads, _release, sandboxes)
-        for t in trajectories:
-            while t.tokens and not t.mask[-1]:  # nothing after the last sampled token is trained
-                t.tokens.pop()
-                t.mask.pop()
-        return trajectories
+                    live.seconds = time.monotonic() - live.started
+                with clock.phase("environment"):
+                    _each(threads, _release, [live.sandbox for live in lives])
+        return [live.finished() for live in lives]
 
-    def _open_sandbox(self, trajectory: Trajectory) -> Sandbox | None:
+    def _open_sandbox(self, live: _Live) -> None:
         """A prepared sandbox; a broken one costs this trajectory only (a failing setup,
         like an unavailable daemon, stops the run: SandboxError)."""
         if self.pool is None:
-            return None
+            return
         sandbox = self.pool.acquire()
         try:
-            if trajectory.scenario.env is not None:
-                sandbox.prepare(trajectory.scenario.env, self.options.setup_timeout_secs, trajectory.scenario.source)
+            if live.scenario.env is not None:
+                sandbox.prepare(live.scenario.env, self.options.setup_timeout_secs, live.scenario.source)
         except SandboxBroken:
-            trajectory.stop = "sandbox_broken"
+            live.stop = "sandbox_broken"
         except BaseException:
             sandbox.close()
             raise
-        return sandbox
+        live.sandbox = sandbox
 
     def _check_clock(self, running: list[_Live]) -> None:
         budget = self.limits.max_rollout_secs
         for live in running:
-            if budget and live.trajectory.stop is None and time.monotonic() - live.started > budget:
-                live.trajectory.stop = "max_rollout_secs"
+            if budget and live.stop is None and time.monotonic() - live.started > budget:
+                live.stop = "max_rollout_secs"
 
     # ---------------------------------------------------------------- one turn
 
@@ -326,28 +350,28 @@ class AgentRollouts:
             for live, completion in zip(lives, completions):
                 self._take_turn(live, completion)
                 if completion.finish == "length" and budget < self.limits.max_new_tokens_per_turn:
-                    live.trajectory.stop = "max_trajectory_tokens"  # cut by the trajectory's room, not the turn's
+                    live.stop = "max_trajectory_tokens"  # cut by the trajectory's room, not the turn's
 
     def _take_turn(self, live: _Live, completion) -> None:
-        t = live.trajectory
         tokens = list(completion.tokens)
         ends = completion.finish == "eos"
         body = tokens[:-1] if ends else tokens
         content = self._text(body)
-        start = len(t.tokens)
-        t.tokens += tokens
-        t.mask += [True] * len(tokens)
-        t.logprobs += list(completion.logprobs)
-        t.turns.append(Turn(content, len(tokens), completion.finish, completion.prefilled, completion.reused, start))
+        start = len(live.tokens)
+        live.tokens += tokens
+        live.mask += [True] * len(tokens)
+        live.logprobs += list(completion.logprobs)
         live.content = content
         live.messages.append({"role": "assistant", "content": content})
-        live.pending, t.turns[-1].note = parse_turn(content, first_id=sum(len(calls) for calls in live.calls))
+        live.pending, note = parse_turn(content, first_id=sum(len(calls) for calls in live.calls))
         live.calls.append(tuple(live.pending))
-        if not live.pending and t.turns[-1].note is None:
+        if not live.pending and note is None:
             if self.limits.end_on_no_tool_call:
-                t.stop = "no_tool_call"
+                live.stop = "no_tool_call"
             else:
-                t.turns[-1].note = ERROR_PREFIX + NO_CALL
+                note = ERROR_PREFIX + NO_CALL
+        live.turns.append(Turn(content, len(tokens), completion.finish, completion.prefilled, completion.reused, start,
+                               note=note))
         live.failed_turns = 0 if live.pending else live.failed_turns + 1
 
     def _text(self, tokens: list[int]) -> str:
@@ -355,41 +379,41 @@ class AgentRollouts:
 
     def _act(self, live: _Live) -> None:
         """This turn's calls, in order, in the trajectory's sandbox; a `done` skips the rest."""
-        t = live.trajectory
-        if t.stop is not None:
+        if live.stop is not None:
             return
+        steps = []
         for call in live.pending:
             result = self._call(live, call)
-            t.turns[-1].calls.append(ToolStep(call.name, call.arguments, result.content, result.is_error, result.reward))
+            steps.append(ToolStep(call.name, call.arguments, result.content, result.is_error, result.reward))
             if result.broken:
-                t.stop = "sandbox_broken"
-                return
+                live.stop = "sandbox_broken"
+                break
             if result.reward is not None:
-                t.step_rewards.append((len(t.tokens), result.reward))
+                live.step_rewards.append((len(live.tokens), result.reward))
             if result.done:
                 live.done = True
-                return
+                break
+        live.turns[-1] = replace(live.turns[-1], calls=tuple(steps))
 
     def _call(self, live: _Live, call: ToolCall) -> ToolResult:
-        toolset = live.trajectory.scenario.toolset
+        toolset = live.scenario.toolset
         if toolset is None:
             return ToolResult(NO_TOOLS, is_error=True)
         return toolset.call(live.sandbox, call.name, call.arguments)
 
     def _continue(self, live: _Live) -> None:
         """Ends the trajectory, or appends the template's text up to the next assistant header."""
-        t = live.trajectory
-        if t.stop is not None:
+        if live.stop is not None:
             return
         if live.done:
-            t.stop = "submitted"
-        elif len(t.turns) >= self.limits.max_turns:
-            t.stop = "max_turns"
+            live.stop = "submitted"
+        elif len(live.turns) >= self.limits.max_turns:
+            live.stop = "max_turns"
         elif self.limits.max_failed_turns and live.failed_turns >= self.limits.max_failed_turns:
-            t.stop = "max_failed_turns"
-        if t.stop is not None:
+            live.stop = "max_failed_turns"
+        if live.stop is not None:
             return
-        turn = t.turns[-1]
+        turn = live.turns[-1]
         for call, step in zip(live.pending, turn.calls):
             live.messages.append({"role": "tool", "content": (ERROR_PREFIX if step.is_error else "") + step.content,
                                   "tool_call_id": call.id, "name": call.name})
@@ -398,30 +422,29 @@ class AgentRollouts:
         try:
             self._extend(live)
         except TemplateBudgetError:  # the conversation outgrew what a template may render, far past any context
-            t.stop = "max_trajectory_tokens"
+            live.stop = "max_trajectory_tokens"
             return
-        if t.stop is None and len(live.context) + 1 > self.limits.max_trajectory_tokens:
-            t.stop = "max_trajectory_tokens"
+        if live.stop is None and len(live.context) + 1 > self.limits.max_trajectory_tokens:
+            live.stop = "max_trajectory_tokens"
 
     def _extend(self, live: _Live) -> None:
-        t = live.trajectory
         before, content = live.rendered, live.content
-        after = render(self.chat, t.scenario, live.messages, live.calls)
+        after = render(self.chat, live.scenario, live.messages, live.calls)
         if not after.startswith(before + content):
             if not self._keeps_plain_turns(live):
                 raise DataError(
-                    f"{t.scenario.source}: the chat template of {self.chat.origin} does not render the earlier turns as "
-                    f"an exact prefix after assistant turn {len(t.turns)}, so the conversation cannot grow token by "
+                    f"{live.scenario.source}: the chat template of {self.chat.origin} does not render the earlier turns as "
+                    f"an exact prefix after assistant turn {len(live.turns)}, so the conversation cannot grow token by "
                     "token; agentic rollouts need a template that keeps earlier turns verbatim"
                 )
-            t.stop = "template_rewrote_turn"  # this turn's text only (e.g. whitespace the template trims)
+            live.stop = "template_rewrote_turn"  # this turn's text only (e.g. whitespace the template trims)
             return
         added = after[len(before) + len(content):]
-        if t.turns[-1].finish == "eos":  # the policy already wrote the end of its turn when the template uses that token
-            added = added.removeprefix(self.chat.piece(t.tokens[-1]).decode("utf-8", errors="replace"))
+        if live.turns[-1].finish == "eos":  # the policy already wrote the end of its turn when the template uses that token
+            added = added.removeprefix(self.chat.piece(live.tokens[-1]).decode("utf-8", errors="replace"))
         ids = self.chat.tokenizer.encode(added, add_bos=False, special=True)
-        t.tokens += ids
-        t.mask += [False] * len(ids)
+        live.tokens += ids
+        live.mask += [False] * len(ids)
         live.rendered = after
 
     def _keeps_plain_turns(self, live: _Live) -> bool:
@@ -430,18 +453,17 @@ class AgentRollouts:
         messages = [*live.messages]
         last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
         messages[last] = {"role": "assistant", "content": PLAIN_TURN}
-        probe = render(self.chat, live.trajectory.scenario, messages, live.calls)
+        probe = render(self.chat, live.scenario, messages, live.calls)
         return probe.startswith(live.rendered + PLAIN_TURN)
 
     def _verify(self, live: _Live) -> None:
-        t = live.trajectory
-        spec = t.scenario.env.verify if t.scenario.env is not None else None
-        if spec is None or t.failed or t.stop == "max_rollout_secs" or live.sandbox is None:
+        spec = live.scenario.env.verify if live.scenario.env is not None else None
+        if spec is None or live.stop in FAILED or live.stop == "max_rollout_secs" or live.sandbox is None:
             return
         try:
-            t.terminal_reward = live.sandbox.verify(spec, self.options.verify_timeout)
+            live.terminal_reward = live.sandbox.verify(spec, self.options.verify_timeout)
         except SandboxBroken:
-            t.stop = "sandbox_broken"
+            live.stop = "sandbox_broken"
 
 
 def parse_turn(content: str, first_id: int) -> tuple[list[ToolCall], str | None]:
@@ -470,11 +492,3 @@ def _release(sandbox: Sandbox | None) -> None:
 def _each(threads: ThreadPoolExecutor, work: Callable, items: list) -> list:
     """work(item) for every item, in parallel threads; results in order, the first error raised."""
     return list(threads.map(work, items))
-
-
-def _timed(timing: dict, phase: str, work: Callable, *args):
-    start = time.perf_counter()
-    try:
-        return work(*args)
-    finally:
-        timing[phase] = timing.get(phase, 0.0) + time.perf_counter() - start

@@ -40,3 +40,19 @@ class MetricsSink:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+class NullMetrics:
+    """What a rank other than 0 logs to under torchrun: nothing (rank 0 writes the run's files)."""
+
+    def log(self, step: int, values: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

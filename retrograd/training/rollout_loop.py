@@ -1,13 +1,194 @@
-"""The rollout loop that grpo, agent_grpo and distill's on_policy mode share (issue 14): for
-now the warm-up step before the first update and the cutting of logged texts."""
+"""The one rollout loop that grpo, agent_grpo and distill's on_policy mode run.
+
+A recipe hands `run_rollouts` a RolloutRecipe: `produce` samples one update's rollouts
+(immutable records, rewards included) and `plan` turns them into training samples with
+advantages and one Decision per rollout; a few smaller functions give its rollouts.jsonl
+line, its held-out evaluation and its table row. The loop owns the rest: resuming into the
+live sampler, the update schedule, the optimizer update and the adapter push, metrics.jsonl,
+rollouts.jsonl (each record joined with its decision and torch's log-probs), timeline.jsonl,
+evaluation with the best checkpoint and patience, periodic checkpoints and the run's totals.
+
+Progress (checkpointed at update boundaries) is the loop's counters, the data cursor the
+producer reached and the recipe's own `state`; every random choice derives from (seed,
+update, position), so a resumed run repeats the remaining updates exactly.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
-from retrograd.memory import rss_bytes
+from retrograd.errors import RetrogradError
+from retrograd.gguf.adapter import adapter_tensors
+from retrograd.memory import PeakMemory, rss_bytes
 from retrograd.training.batches import LogprobOptions
+from retrograd.training.checkpoint import Checkpoint, check_signature, step_name
+from retrograd.training.distributed import Ranks, init_ranks
+from retrograd.training.duty_cycle import for_device
+from retrograd.training.metrics import MetricsSink, NullMetrics
+from retrograd.training.optim import Schedule, build_optimizer
+from retrograd.training.report import Reporter
+from retrograd.training.rollout_step import PolicyOptimizer, TrainSample, UpdateResult, adapter_is_zero
 from retrograd.training.scoring import Rollout, micro_batch_logprobs
+from retrograd.training.state import restore_state, save_state, step_checkpoint_due, track_evaluation
+from retrograd.training.timeline import PhaseClock, Timeline
+
+
+class RolloutRunStopped(RetrogradError):
+    """A recipe's failure policy ended the run (agent_grpo: too many dropped trajectories, an
+    update without a baseline); the update's metrics and rollouts are written first."""
+
+
+# ---------------------------------------------------------------- what a recipe hands the loop
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One update's rollouts as the producer left them."""
+
+    update: int
+    rollouts: tuple  # the recipe's frozen records
+    cursor: int = 0  # the data position after these rollouts (checkpointed with the update that trains them)
+    metrics: dict = field(default_factory=dict)  # measured while producing: completions/*, agent/*, env/*
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the trainer made of one rollout; joined with the record for rollouts.jsonl."""
+
+    advantage: float
+    trained: bool
+    skip_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What `plan` makes of a batch."""
+
+    samples: tuple[TrainSample, ...]
+    trained: tuple[int, ...]  # the rollout index of each sample
+    decisions: tuple[Decision, ...]  # one per rollout of the batch
+    metrics: dict  # reward/*, batch/* and the like
+    beta: float = 0.0  # the KL coefficient of this update
+    state: dict = field(default_factory=dict)  # the recipe's checkpointed counters after this update
+    discarded_groups: int = 0  # groups without a learning signal (timeline.jsonl counts them)
+    note: str | None = None  # said when there is nothing to train
+    halt: str | None = None  # stop cleanly after this update, saying why
+    fail: str | None = None  # stop with an error once this update's records are written
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A held-out evaluation's value and what to log and say about it."""
+
+    value: float
+    metrics: dict
+    line: str  # "eval update 3/10: mean reward …" (the loop adds best / stale)
+    higher_is_better: bool = True
+
+
+@dataclass(frozen=True)
+class RolloutRecipe:
+    """A rollout algorithm as the loop runs it."""
+
+    name: str  # the plan line's first word: "grpo", "agent_grpo", "distill on_policy (jsd)"
+    plan_line: str  # the rest of that line: updates, epochs, prompts, groups
+    updates: int
+    epochs_label: str  # the summary's name for epochs per update
+    epochs: int
+    minibatches: int
+    budget_tokens: int  # the loss denominator's per-sample token budget
+    phases: tuple[str, ...]  # the timing keys, in report order
+    columns: tuple[str, ...]  # the table's columns after update and step
+    loss_key: str
+    produce: Callable[[int, int, PhaseClock], Batch]  # (update, cursor, clock) -> the update's rollouts
+    plan: Callable[[Batch, dict], TrainPlan]  # (batch, state) -> samples and decisions
+    record: Callable[[Any, Decision, list | None, int, int], dict]  # (rollout, decision, policy log-probs, update, cap)
+    row: Callable[[dict], dict]  # metrics -> the table's values for `columns`
+    status: Callable[[dict], str]  # metrics -> the progress bar's text
+    evaluate: Callable[[int], Evaluation] | None = None
+    state: dict = field(default_factory=dict)  # the recipe's counters at the start of a run
+    settle: Callable[[dict, dict], dict] | None = None  # (state, metrics) -> state, after the optimizer
+    train: Callable[..., UpdateResult] | None = None  # replaces PolicyOptimizer.update (distill's jsd)
+
+
+@dataclass
+class UpdateRecord:
+    update: int
+    metrics: dict
+    timing: dict  # phase -> seconds
+    steps: int
+    step_diagnostics: list[dict] = field(default_factory=list)  # merged policy diagnostics per optimizer step
+
+
+@dataclass
+class RolloutResult:
+    output: Path
+    epochs_label: str
+    updates_done: int
+    steps: int
+    train_loss: float
+    tokens_per_second: float
+    records: list[UpdateRecord] = field(default_factory=list)
+    init_timing: dict = field(default_factory=dict)  # model load, LoRA, sampler: (seconds, Δ RSS)
+    memory: dict = field(default_factory=dict)  # rss baseline / after load / peak
+    updates_planned: int = 0
+    epochs_per_update: int = 0
+    duty: object = None  # DutyStats of the run
+
+    def summary(self) -> str:
+        return (
+            f"done update={self.updates_done}/{self.updates_planned} {self.epochs_label}={self.epochs_per_update} "
+            f"step={self.steps} train_loss={self.train_loss:.4f} tok/s={self.tokens_per_second:.0f} out={self.output}"
+        )
+
+
+# ---------------------------------------------------------------- the trainer's side
+
+
+@dataclass
+class Trainer:
+    """The optimizer side of a run: what every rollout recipe builds the same way."""
+
+    setup: Any  # recipes.common.Setup
+    sampler: Any  # the rollout sampler that gets the adapter after each update
+    policy: PolicyOptimizer
+    reporter: Reporter
+    signature: dict
+    init_timing: dict = field(default_factory=dict)
+    baseline_rss: int = 0
+
+    @property
+    def duty(self):
+        return self.policy.duty
+
+
+def make_policy(cfg, setup, loss_options, *, updates: int, steps_per_update: int, temperature: float,
+                reporter: Reporter) -> PolicyOptimizer:
+    """The optimizer, learning-rate schedule, duty cycle and policy update of a rollout run
+    (under torchrun, of this rank)."""
+    t = cfg.training
+    optimizer = build_optimizer(setup.adapter.parameters(), t.optimizer, t.lr, t.weight_decay)
+    schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, updates * steps_per_update, t.max_grad_norm, updates)
+    duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
+    options = LogprobOptions.from_training(t, setup.model.spec.n_vocab, temperature)
+    policy = PolicyOptimizer(setup, optimizer, loss_options, schedule, options, duty, t.micro_batch, cfg.lora.seed)
+    policy.ranks = init_ranks(setup.device)
+    return policy
+
+
+def rank_sampler(device, open_sampler: Callable):
+    """The rollout sampler on rank 0 (`open_sampler()`, a context manager); None on the other
+    torchrun ranks, which train on rank 0's rollouts."""
+    return open_sampler() if init_ranks(device).is_main else nullcontext(None)
 
 
 def warm_up(setup) -> dict:
@@ -23,6 +204,471 @@ def warm_up(setup) -> dict:
     return {"warm-up (compile + probe step)": (time.perf_counter() - t0, rss_bytes() - r0)}
 
 
+def reward_evaluation(update: int, planned: int, rewards: list[float], extra: dict | None = None) -> Evaluation:
+    """A held-out evaluation by mean reward (grpo, agent_grpo): higher is better."""
+    mean, low, high = float(sum(rewards) / len(rewards)), float(min(rewards)), float(max(rewards))
+    line = f"eval update {update + 1}/{planned}: mean {mean:.4f}  range [{low:.3f}, {high:.3f}]  n={len(rewards)}"
+    metrics = {"eval/mean_reward": mean, "eval/reward_min": low, "eval/reward_max": high} | (extra or {})
+    return Evaluation(mean, metrics, line)
+
+
 def cut_text(text: str, cap: int) -> str:
     """A text for rollouts.jsonl, cut to [observe].max_text_chars (0: whole)."""
     return text if not cap or len(text) <= cap else text[:cap] + " […]"
+
+
+# ---------------------------------------------------------------- where batches come from
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A batch as the trainer receives it, with what its production cost the trainer."""
+
+    batch: Batch
+    timing: dict  # the producer's phases of this batch (async: timed in its own thread)
+    counters: dict  # timeline counters measured at delivery
+    metrics: dict  # the producer's own (async: the adapter refresh before this batch)
+    adapter_version: int  # updates trained into the adapter that sampled the batch
+
+
+class SyncSource:
+    """max_async_rollout = 0: the trainer samples each update's batch itself, then trains
+    it, then hands the sampler the new adapter. Sampler and trainer take turns."""
+
+    def __init__(self, recipe: RolloutRecipe, sampler, timeline: Timeline):
+        self.recipe, self.sampler, self.timeline = recipe, sampler, timeline
+
+    def next(self, update: int, cursor: int, clock: PhaseClock) -> Delivery:
+        produced = PhaseClock(timeline=self.timeline, update=update, worker="sampler")
+        batch = self.recipe.produce(update, cursor, produced)
+        return Delivery(batch, dict(produced), {}, {}, update)
+
+    def push(self, adapter, version: int, clock: PhaseClock) -> dict:
+        produced = PhaseClock(timeline=self.timeline, update=version - 1, worker="sampler")
+        with produced.phase("adapter_refresh"):
+            refresh = self.sampler.set_adapter(adapter)
+        clock["adapter_refresh"] = clock.get("adapter_refresh", 0.0) + produced["adapter_refresh"]
+        return {"sampler/adapter_refresh_seconds": refresh.total_s}
+
+    def call(self, work: Callable):
+        return work()
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncSource:
+    """max_async_rollout = N > 0: a producer thread samples update u's batch while the
+    trainer trains earlier ones, as soon as the newest adapter is at most N updates older
+    than update u (it waits for the adapter otherwise, so no batch is ever staler than N).
+
+    The producer thread alone touches the sampler (llama.cpp contexts are not thread-safe):
+    the trainer hands it a copy of each new adapter, applied between batches, and runs
+    held-out evaluations through `call`, between batches too."""
+
+    def __init__(self, recipe: RolloutRecipe, sampler, timeline: Timeline, *, start: int, cursor: int, ahead: int):
+        self.recipe, self.sampler, self.timeline, self.ahead = recipe, sampler, timeline, ahead
+        self._cond = threading.Condition()
+        self._ready: dict[int, Delivery] = {}
+        self._pushed = start  # updates trained into the newest adapter the trainer handed over
+        self._pending = None  # (tensors, alpha, version) not yet applied
+        self._applied = start  # updates trained into the adapter the sampler holds
+        self._tasks: list[tuple[Callable, list]] = []
+        self._producing: int | None = None
+        self._last_size = 0
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._produce_all, args=(start, cursor), name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------ the trainer's side
+
+    def next(self, update: int, cursor: int, clock: PhaseClock) -> Delivery:
+        start = time.perf_counter()
+        with self._cond:
+            while update not in self._ready and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            delivery = self._ready.pop(update)
+            queued = sum(len(d.batch.rollouts) for d in self._ready.values())
+            in_flight = self._last_size if self._producing is not None else 0
+        end = time.perf_counter()
+        self.timeline.span(update, "trainer", "waiting_for_batch", start, end)
+        clock["waiting_for_batch"] = end - start
+        counters = delivery.counters | {"waiting_for_batch_seconds": end - start, "queued_rollouts": queued,
+                                        "in_flight_rollouts": in_flight}
+        return replace(delivery, counters=counters)
+
+    def push(self, adapter, version: int, clock: PhaseClock) -> dict:
+        """A copy of the adapter after `version` updates, for the producer's next batch."""
+        with clock.phase("adapter_push"):
+            tensors = adapter_tensors(adapter)
+        with self._cond:
+            self._pending, self._pushed = (tensors, float(adapter.alpha), version), version
+            self._cond.notify_all()
+        return {}
+
+    def call(self, work: Callable):
+        """Run `work` in the producer thread between batches, with the newest adapter."""
+        box: list = []
+        with self._cond:
+            self._tasks.append((work, box))
+            self._cond.notify_all()
+            while not box and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # ------------------------------------------------ the producer thread
+
+    def _produce_all(self, update: int, cursor: int) -> None:
+        try:
+            while update < self.recipe.updates:
+                waited = self._wait_for_adapter(update)
+                if waited is None:
+                    return
+                clock = PhaseClock(self.recipe.phases, timeline=self.timeline, update=update, worker="sampler")
+                refresh = self._apply_adapter(clock)
+                batch = self.recipe.produce(update, cursor, clock)
+                delivery = Delivery(batch, dict(clock), {"waiting_for_adapter_seconds": waited}, refresh, self._applied)
+                with self._cond:
+                    self._ready[update] = delivery
+                    self._producing, self._last_size = None, len(batch.rollouts)
+                    self._cond.notify_all()
+                update, cursor = update + 1, batch.cursor
+            while self._wait_for_adapter(None) is not None:  # serve evaluations until closed
+                pass
+        except BaseException as error:  # noqa: BLE001 (handed to the trainer, which raises it)
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+
+    def _wait_for_adapter(self, update: int | None) -> float | None:
+        """Serve evaluations while update `update` may not start yet (its adapter would be
+        more than `ahead` updates old); the seconds waited, or None once closed."""
+        start = time.perf_counter()
+        while True:
+            with self._cond:
+                while not (self._stopping or self._tasks or (update is not None and update - self._pushed <= self.ahead)):
+                    self._cond.wait()
+                if self._stopping:
+                    return None
+                tasks, self._tasks = self._tasks, []
+                if not tasks:
+                    self._producing = update
+                    break
+            self._apply_adapter(PhaseClock())
+            for work, box in tasks:
+                try:
+                    box.append((True, work()))
+                except Exception as error:  # noqa: BLE001 (raised again in the trainer's thread)
+                    box.append((False, error))
+            with self._cond:
+                self._cond.notify_all()
+            if update is None:
+                return 0.0
+        end = time.perf_counter()
+        if update is not None and end - start > 1e-3:
+            self.timeline.span(update, "sampler", "waiting_for_adapter", start, end)
+        return end - start
+
+    def _apply_adapter(self, clock: PhaseClock) -> dict:
+        with self._cond:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return {}
+        tensors, alpha, version = pending
+        with clock.phase("adapter_refresh"):
+            refresh = self.sampler.set_adapter(tensors, alpha=alpha)
+        self._applied = version
+        return {"sampler/adapter_refresh_seconds": refresh.total_s}
+
+
+class RankSource:
+    """Under torchrun: rank 0 samples (through `inner`) and every rank trains on what rank 0
+    broadcasts; rank 0 alone pushes adapters and runs held-out evaluations."""
+
+    def __init__(self, inner, ranks: Ranks):
+        self.inner, self.ranks = inner, ranks  # inner: None on ranks other than 0
+
+    def next(self, update: int, cursor: int, clock: PhaseClock) -> Delivery:
+        delivery = self.inner.next(update, cursor, clock) if self.inner is not None else None
+        return self.ranks.broadcast(delivery)
+
+    def push(self, adapter, version: int, clock: PhaseClock) -> dict:
+        return self.inner.push(adapter, version, clock) if self.inner is not None else {}
+
+    def call(self, work: Callable):
+        return self.ranks.broadcast(self.inner.call(work) if self.inner is not None else None)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def run_rollouts(cfg, recipe: RolloutRecipe, trainer: Trainer, checkpoint: Checkpoint | None) -> RolloutResult:
+    """Train `recipe.updates` updates (fewer when patience or the recipe halts), resuming
+    from `checkpoint` when given."""
+    loop = _Loop(cfg, recipe, trainer)
+    return loop.run(checkpoint)
+
+
+class _Loop:
+    def __init__(self, cfg, recipe: RolloutRecipe, trainer: Trainer):
+        self.cfg, self.recipe, self.trainer = cfg, recipe, trainer
+        self.setup, self.policy, self.reporter = trainer.setup, trainer.policy, trainer.reporter
+        self.ranks = trainer.policy.ranks
+        self.progress = {"update": 0, "global_step": 0, "prompt_cursor": 0, "best_eval": None, "stale_evals": 0} | recipe.state
+        self.rss_after_load = rss_bytes()
+        self.totals = RunTotals(recipe.loss_key)
+        out_dir = cfg.output.path.parent
+        self.out_dir = out_dir
+        self.rollouts_path = (cfg.observe.directory if cfg.observe else out_dir) / "rollouts.jsonl"
+
+    def run(self, checkpoint: Checkpoint | None) -> RolloutResult:
+        recipe = self.recipe
+        if checkpoint is not None:
+            check_signature(checkpoint, self.trainer.signature)
+            self.progress = self.progress | restore_state(checkpoint, self.setup, self.policy.optimizer)  # older checkpoints lack newer counters
+            self.policy.global_step = self.progress["global_step"]
+            self.reporter.message(f"resumed from {checkpoint.path} at update {self.progress['update']}")
+        if not adapter_is_zero(self.setup.adapter) and self.trainer.sampler is not None:
+            self.trainer.sampler.set_adapter(self.setup.adapter)  # resumed or warm-started: sample from it
+        self.reporter.message(f"{recipe.name}: {recipe.plan_line}")
+        records: list[UpdateRecord] = []
+        append = checkpoint is not None
+        ahead = self.cfg.training.max_async_rollout
+        if append and ahead:
+            self.reporter.message(
+                f"max_async_rollout = {ahead}: sampling restarts at update {self.progress['update'] + 1} with the "
+                "checkpointed adapter, so the rest of the run differs from one that was never stopped")
+        main = self.ranks.is_main  # under torchrun rank 0 samples and writes; the others train
+        with _outputs(self.cfg, self.rollouts_path, append=append, write=main) as (metrics, rollouts_file), \
+                Timeline(self.out_dir / "timeline.jsonl" if main else None,
+                         resumed_at=self.progress["update"] if append else None) as timeline:
+            self.metrics, self.timeline = metrics, timeline
+            source = None
+            if main:
+                source = (AsyncSource(recipe, self.trainer.sampler, timeline, start=self.progress["update"],
+                                      cursor=self.progress["prompt_cursor"], ahead=ahead)
+                          if ahead else SyncSource(recipe, self.trainer.sampler, timeline))
+            self.source = RankSource(source, self.ranks) if self.ranks.spread else source
+            self.reporter.start(recipe.updates, ["update", "step", *recipe.columns], "updates")
+            self.reporter.advance(self.progress["update"], "")
+            try:
+                while self.progress["update"] < recipe.updates:
+                    record, delivery, plan, result = self.totals.measure(self._update, self.progress["update"])
+                    records.append(record)
+                    if self._finish_update(record, delivery, plan, result, rollouts_file):
+                        break
+            finally:
+                self.source.close()
+                self.reporter.finish()
+        out = self.setup.write_output() if main else self.cfg.output.path
+        return RolloutResult(
+            output=out, epochs_label=recipe.epochs_label, updates_done=self.progress["update"],
+            steps=self.progress["global_step"], train_loss=self.totals.last_loss,
+            tokens_per_second=self.totals.tokens_per_second, records=records, updates_planned=recipe.updates,
+            epochs_per_update=recipe.epochs, init_timing=self.trainer.init_timing,
+            memory={"baseline": self.trainer.baseline_rss, "after_load": self.rss_after_load, "peak": self.totals.peak_rss},
+            duty=self.trainer.duty.stats,
+        )
+
+    def _update(self, update: int) -> tuple[UpdateRecord, Delivery, TrainPlan, UpdateResult | None]:
+        recipe = self.recipe
+        clock = PhaseClock(recipe.phases, timeline=self.timeline, update=update)
+        delivery = self.source.next(update, self.progress["prompt_cursor"], clock)
+        for phase, seconds in delivery.timing.items():  # the producer's, already on the timeline
+            clock[phase] = clock.get(phase, 0.0) + seconds
+        batch = delivery.batch
+        state = {k: self.progress[k] for k in recipe.state}
+        plan = recipe.plan(batch, state)
+        c = delivery.counters
+        metrics = batch.metrics | delivery.metrics | plan.metrics | {
+            "timing/waiting_for_adapter_seconds": c.get("waiting_for_adapter_seconds", 0.0),
+            "rollouts/queued": c.get("queued_rollouts", 0), "rollouts/in_flight": c.get("in_flight_rollouts", 0),
+            "rollouts/staleness": update - delivery.adapter_version}
+        steps_before = self.policy.global_step
+        result = None
+        if plan.samples and plan.fail is None:
+            train = recipe.train or self._policy_update
+            result = train(update, list(plan.samples), plan.beta, clock)
+            metrics |= result.diagnostics
+            if recipe.settle is not None:
+                plan = replace(plan, state=recipe.settle(plan.state, metrics))
+            metrics |= self.source.push(self.setup.adapter, update + 1, clock)
+        elif plan.note and plan.fail is None:
+            self.reporter.message(f"update {update + 1}: {plan.note}")
+        metrics["policy/beta"] = plan.beta
+        steps = self.policy.global_step - steps_before
+        metrics["train/steps"] = steps
+        step_diagnostics = result.step_diagnostics if result is not None else []
+        return UpdateRecord(update, metrics, dict(clock), steps, step_diagnostics), delivery, plan, result
+
+    def _policy_update(self, update: int, samples: list[TrainSample], beta: float, clock: PhaseClock) -> UpdateResult:
+        r = self.recipe
+        return self.policy.update(update, samples, beta=beta, epochs=r.epochs, minibatches=r.minibatches,
+                                  budget_tokens=r.budget_tokens, timing=clock)
+
+    def _finish_update(self, record: UpdateRecord, delivery: Delivery, plan: TrainPlan, result, rollouts_file) -> bool:
+        """Log, write, report, evaluate and checkpoint one update. Returns True to stop."""
+        recipe, update, batch = self.recipe, record.update, delivery.batch
+        self.progress["global_step"] = self.policy.global_step
+        m = self.totals.account(record.metrics, record.timing)
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in record.timing.items())
+        self.setup.detail(f"update {update + 1} phases: {phases} (update {self.totals.elapsed:.2f} s)")
+        self.metrics.log(self.progress["global_step"], m | {"train/update": update + 1})
+        self.timeline.counters(update, delivery.counters | {
+            "discarded_groups": plan.discarded_groups,
+            "truncated_rollouts": sum(_truncated(r) for r in batch.rollouts),
+        })
+        self._write_rollouts(rollouts_file, batch, plan, result)
+        if plan.fail is not None:
+            raise RolloutRunStopped(plan.fail)
+        self.progress |= plan.state | {"update": update + 1, "prompt_cursor": batch.cursor}
+        self.reporter.row({"update": f"{update + 1}/{recipe.updates}", "step": self.progress["global_step"]} | recipe.row(m))
+        self.reporter.advance(update + 1, recipe.status(m) + (f" loss={self.totals.last_loss:.4f}" if self.totals.losses else ""))
+        stop = False
+        if plan.halt:
+            self.reporter.message(f"stopping: {plan.halt}")
+            stop = True
+        if recipe.evaluate is not None and self._evaluation_due(update):
+            stop = self._evaluate(update) or stop
+        self._save_if_crossed(record.steps)
+        return stop
+
+    # ---------------------------------------------------------------- outputs
+
+    def _write_rollouts(self, f, batch: Batch, plan: TrainPlan, result: UpdateResult | None) -> None:
+        observe, update = self.cfg.observe, batch.update
+        if observe and (update + 1) % observe.every:
+            return
+        cap = observe.max_text_chars if observe else 0
+        policy: list[list[float] | None] = [None] * len(batch.rollouts)
+        if result is not None:
+            for i, logp in zip(plan.trained, result.policy_logprobs):
+                policy[i] = logp.tolist()
+        for rollout, decision, logp in zip(batch.rollouts, plan.decisions, policy):
+            f.write(json.dumps(self.recipe.record(rollout, decision, logp, update, cap), ensure_ascii=False) + "\n")
+        f.flush()
+
+    # ---------------------------------------------------------------- evaluation, checkpoints
+
+    def _evaluation_due(self, update: int) -> bool:
+        every = self.cfg.evaluation.every_iterations
+        return (update + 1) % every == 0 or update + 1 == self.recipe.updates
+
+    def _evaluate(self, update: int) -> bool:
+        """Log a held-out evaluation, keep the best checkpoint when asked, say so in one line.
+        Returns True when patience has run out."""
+        ev = self.cfg.evaluation
+        result = self.source.call(lambda: self.recipe.evaluate(update))
+        self.metrics.log(self.progress["global_step"], result.metrics | {"train/update": update + 1})
+        outcome = track_evaluation(self.progress, result.value, higher_is_better=result.higher_is_better,
+                                   min_delta=ev.min_delta, patience=ev.patience)
+        if outcome.improved:
+            saved = ""
+            if self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
+                self._save("best")
+                saved = " (saved best.gguf)"
+            self.reporter.message(f"{result.line}  best {result.value:.4f} {'↑' if result.higher_is_better else '↓'}{saved}")
+        else:
+            self.reporter.message(f"{result.line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
+        return outcome.stop
+
+    def _save(self, name: str) -> None:
+        if not self.ranks.is_main:  # every rank holds the same adapter and optimizer: rank 0 writes
+            return
+        path = save_state(self.setup, self.policy.optimizer, self.progress, self.trainer.signature, name)
+        self.reporter.checkpoint(path)
+
+    def _save_if_crossed(self, steps: int) -> None:
+        if step_checkpoint_due(self.cfg, self.progress["global_step"], steps):
+            self._save(step_name(self.progress["global_step"]))
+
+
+def _truncated(rollout) -> bool:
+    return bool(getattr(rollout, "truncated", False))
+
+
+@contextmanager
+def _outputs(cfg, rollouts_path: Path, *, append: bool, write: bool = True) -> Iterator[tuple[MetricsSink, object]]:
+    """metrics.jsonl beside the output (plus TensorBoard when asked) and rollouts.jsonl, both
+    appended to when the run resumes; with write False (torchrun ranks other than 0) sinks
+    that keep nothing."""
+    if not write:
+        with open(os.devnull, "w", encoding="utf-8") as nowhere:
+            yield NullMetrics(), nowhere
+        return
+    out_dir = cfg.output.path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rollouts_path.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics,
+        open(rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts,
+    ):
+        yield metrics, rollouts
+
+
+@dataclass
+class RunTotals:
+    """Trained tokens and wall time over a run's updates, the peak RSS and the losses."""
+
+    loss_key: str
+    tokens: float = 0.0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    peak_rss: int = field(default_factory=rss_bytes)
+    elapsed: float = 0.0  # the last measured update
+
+    def measure(self, update: Callable, *args):
+        """Run one update, timing it and watching its peak RSS."""
+        t0 = time.perf_counter()
+        with PeakMemory() as peak:
+            result = update(*args)
+        self.peak_rss = max(self.peak_rss, peak.peak_rss)
+        self.elapsed = time.perf_counter() - t0
+        return result
+
+    def account(self, metrics: dict, timing: dict) -> dict:
+        """Count the measured update and add its timing/*, system/rss_bytes and
+        train/tokens_per_second to `metrics` (in place; returned for convenience).
+        Synchronous runs never wait for a batch (the phase is absent: recorded as 0), and
+        no run samples with an adapter staler than max_async_rollout (the producer waits
+        instead), so rollouts/canceled is always 0; both are written so a report can say so."""
+        trained = metrics.get("batch/trained_tokens", 0)
+        self.tokens += trained
+        self.seconds += self.elapsed
+        if self.loss_key in metrics:
+            self.losses.append(metrics[self.loss_key])
+        metrics |= {"timing/waiting_for_batch_seconds": 0.0} | {f"timing/{k}_seconds": v for k, v in timing.items()} | {
+            "rollouts/canceled": 0,
+            "timing/update_seconds": self.elapsed,
+            "system/rss_bytes": rss_bytes(),
+            "train/tokens_per_second": trained / self.elapsed if self.elapsed else 0.0,
+        }
+        return metrics
+
+    @property
+    def last_loss(self) -> float:
+        return self.losses[-1] if self.losses else math.nan
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0

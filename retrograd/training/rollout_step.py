@@ -25,9 +25,11 @@ import torch
 
 from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, merge_diagnostics, policy_loss
 from retrograd.training.batches import LogprobOptions
+from retrograd.training.distributed import Ranks
 from retrograd.training.duty_cycle import DutyCycle
 from retrograd.training.optim import Schedule, clip_gradients
 from retrograd.training.scoring import Rollout, plan_shared, rollout_logprobs, scored_micro_batches
+from retrograd.training.timeline import PhaseClock
 
 KL_DIVERGENCE_LIMIT = 50.0  # retrograd's divergence guard, on policy/kl (nats per token)
 
@@ -61,12 +63,14 @@ class PolicyOptimizer:
         self.schedule, self.options, self.duty = schedule, logprob_options, duty
         self.micro_batch, self.seed = micro_batch, seed
         self.params = setup.adapter.parameters()
+        self.ranks = Ranks()  # torchrun: set by make_policy
         self.global_step = 0
         self.total_steps = schedule.total_steps  # re-planned at every update (Schedule.total_from)
 
     def update(self, update: int, samples: list[TrainSample], *, beta: float, epochs: int, minibatches: int,
-               budget_tokens: int, timing: dict) -> UpdateResult:
-        """Train on `samples`: `epochs` passes of up to `minibatches` optimizer steps."""
+               budget_tokens: int, timing: PhaseClock) -> UpdateResult:
+        """Train on `samples`: `epochs` passes of up to `minibatches` optimizer steps; the
+        phases (behavior_scoring, reference, optimizer) are timed on `timing`."""
         model = self.setup.model.transformer
         rollouts = [s.rollout for s in samples]
         minibatches = min(minibatches, len(samples))  # np.array_split would leave the rest empty
@@ -93,12 +97,11 @@ class PolicyOptimizer:
                 else:
                     with self.setup.adapter.disabled():
                         ref = self._score(rollouts, timing, "reference")
-            t0 = time.perf_counter()
-            for idx in steps:
-                step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens)
-                parts.extend(step_parts)
-                per_step.append(merge_diagnostics(step_parts))
-            timing["optimizer"] = timing.get("optimizer", 0.0) + time.perf_counter() - t0
+            with timing.phase("optimizer"):
+                for idx in steps:
+                    step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens)
+                    parts.extend(step_parts)
+                    per_step.append(merge_diagnostics(step_parts))
 
         before = [o.cpu() for o in old]
         merged = merge_diagnostics(parts)
@@ -120,11 +123,16 @@ class PolicyOptimizer:
             )
         return UpdateResult(merged, per_step, before)
 
-    def _score(self, rollouts, timing: dict, phase: str) -> list[torch.Tensor]:
-        t0 = time.perf_counter()
-        with self.duty.burst():
-            out = rollout_logprobs(self.setup.model.transformer, rollouts, self.options, self.micro_batch, self.setup.device)
-        timing[phase] = timing.get(phase, 0.0) + time.perf_counter() - t0
+    def _score(self, rollouts, timing: PhaseClock, phase: str) -> list[torch.Tensor]:
+        """Log-probs without gradients; under torchrun each rank scores its share."""
+        mine = self.ranks.share(rollouts)
+        with timing.phase(phase), self.duty.burst():
+            scored = rollout_logprobs(self.setup.model.transformer, [rollouts[i] for i in mine], self.options,
+                                      self.micro_batch, self.setup.device)
+        out: list[torch.Tensor | None] = [None] * len(rollouts)
+        for share in self.ranks.gather(dict(zip(mine, scored))):
+            for i, logp in share.items():
+                out[i] = logp.to(self.setup.device)
         return out
 
     def _step(self, model, samples, idx, old, ref, beta, budget_tokens) -> list[dict]:
@@ -136,14 +144,16 @@ class PolicyOptimizer:
         parts = []
         rollouts = [samples[i].rollout for i in idx]
         micro_batches = plan_shared(rollouts, self.micro_batch)
-        passes = scored_micro_batches(model, rollouts, micro_batches, self.options, self.setup.device)
+        mine = [micro_batches[k] for k in self.ranks.share(micro_batches)]  # all of them on one rank
+        passes = scored_micro_batches(model, rollouts, mine, self.options, self.setup.device)
+        filled: dict[int, torch.Tensor] = {}
         with self.duty.burst():
             t0 = time.perf_counter()
             for k, (micro, logp, mask) in enumerate(passes):
                 chosen = [idx[j] for j in micro.rollouts]
                 for row, i in enumerate(chosen):
                     if old[i] is None:
-                        old[i] = logp[row][mask[row]].detach().float()
+                        old[i] = filled[i] = logp[row][mask[row]].detach().float()
                 old_logp = padded([old[i] for i in chosen], mask)
                 sampler_logp = padded([samples[i].sampler_logprobs for i in chosen], mask)
                 advantages = padded([samples[i].advantages.expand(samples[i].n_scored) for i in chosen], mask)
@@ -155,11 +165,18 @@ class PolicyOptimizer:
                 loss.backward()
                 parts.append(diag)
                 self.setup.detail(
-                    f"step {self.global_step + 1} micro-batch {k + 1}/{len(micro_batches)}: {len(chosen)} sequences, "
+                    f"step {self.global_step + 1} micro-batch {k + 1}/{len(mine)}: {len(chosen)} sequences, "
                     f"{int(mask.sum())} scored tokens, loss share {diag['policy/total_loss']:.5f}, lr {lr:.3g}, "
                     f"{time.perf_counter() - t0:.2f} s"
                 )
                 t0 = time.perf_counter()
+            if self.ranks.spread:  # every rank needs all parts, and the log-probs the others filled in
+                gathered = self.ranks.gather((parts, {i: t.cpu() for i, t in filled.items()}))
+                parts = [part for rank_parts, _ in gathered for part in rank_parts]
+                for _, rank_filled in gathered:
+                    for i, t in rank_filled.items():
+                        old[i] = t.to(self.setup.device)
+                self.ranks.sum_gradients(self.params)
             if not math.isfinite(sum(p["policy/total_loss"] for p in parts)):
                 raise self.setup.diverged(f"step {self.global_step + 1}: the loss is not finite; stopped without updating the adapter — try a lower training.lr")
             clip_gradients(self.params, self.schedule.max_grad_norm)

@@ -62,43 +62,21 @@ def track_evaluation(progress: dict, value: float, *, higher_is_better: bool, mi
 
 
 class RecipeLoop:
-    """What the recipe loops share on top of the functions above. A loop sets cfg, setup,
-    optimizer, progress, signature and reporter before calling these."""
+    """Checkpoint saving for a loop object (offline distillation) that sets cfg, setup,
+    optimizer, progress, signature and reporter; the rollout recipes' loop is
+    training/rollout_loop.py."""
 
     def save(self, name: str) -> None:
         path = save_state(self.setup, self.optimizer, self.progress, self.signature, name)
         self.reporter.checkpoint(path)
 
-    def account(self, update: int, metrics: dict, timing: dict) -> dict:
-        """The rollout loops' per-update bookkeeping (RunTotals.account), and with
-        run.verbose one line of where the update's time went."""
-        metrics = self.totals.account(metrics, timing)
-        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in timing.items())
-        self.setup.detail(f"update {update + 1} phases: {phases} (update {self.totals.elapsed:.2f} s)")
-        return metrics
-
     def save_if_crossed(self, steps: int) -> None:
-        """A step-N checkpoint when the update's `steps` optimizer steps, ending at the current
-        global step, passed a multiple of checkpoint.every_steps."""
-        every, after = self.cfg.checkpoint and self.cfg.checkpoint.every_steps, self.progress["global_step"]
-        if every and after // every > (after - steps) // every:
-            self.save(step_name(after))
+        if step_checkpoint_due(self.cfg, self.progress["global_step"], steps):
+            self.save(step_name(self.progress["global_step"]))
 
-    def held_out_reward(self, update: int, planned: int, rewards: list[float], metrics, extra: dict | None = None) -> bool:
-        """Log a held-out evaluation's rewards (higher is better), keep the best checkpoint
-        when asked, say so in one line. Returns True when patience has run out."""
-        ev, step = self.cfg.evaluation, self.progress["global_step"]
-        mean, low, high = float(sum(rewards) / len(rewards)), float(min(rewards)), float(max(rewards))
-        metrics.log(step, {"eval/mean_reward": mean, "eval/reward_min": low, "eval/reward_max": high,
-                           "train/update": update + 1} | (extra or {}))
-        line = f"eval update {update + 1}/{planned}: mean {mean:.4f}  range [{low:.3f}, {high:.3f}]  n={len(rewards)}"
-        outcome = track_evaluation(self.progress, mean, higher_is_better=True, min_delta=ev.min_delta, patience=ev.patience)
-        if outcome.improved:
-            saved = ""
-            if self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
-                self.save("best")
-                saved = " (saved best.gguf)"
-            self.reporter.message(f"{line}  best {mean:.4f} ↑{saved}")
-        else:
-            self.reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
-        return outcome.stop
+
+def step_checkpoint_due(cfg, global_step: int, steps: int) -> bool:
+    """The last `steps` optimizer steps, ending at `global_step`, passed a multiple of
+    checkpoint.every_steps (an update can take several steps)."""
+    every = cfg.checkpoint and cfg.checkpoint.every_steps
+    return bool(every) and global_step // every > (global_step - steps) // every

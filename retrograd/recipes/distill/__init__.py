@@ -14,6 +14,8 @@ on_policy (on_policy.py), per update:
    jsd: GKD's generalized JSD between the teacher's top-k and the student's log-probs at
    those ids (chunked gather), plus the same k3 KL, budget-normalized, one step per epoch;
 5. llama.cpp gets the new adapter.
+Steps 1-2 are the rollout loop's `produce`, 3-4 its `plan` and the loss's `train`; the loop
+(retrograd/training/rollout_loop.py) does the rest, as for grpo and agent_grpo.
 Evaluation samples one completion per held-out prompt (fixed seeds) and reports the mean
 log p_S - log p_T of its tokens (lower is better).
 
@@ -41,11 +43,13 @@ from retrograd.recipes.distill.common import (
 from retrograd.recipes.distill.offline import TopkOptions, TopkReport, run_offline, write_teacher_topk
 from retrograd.recipes.distill.on_policy import PHASES, run_on_policy, sampler_options
 from retrograd.training.report import Reporter
+from retrograd.training.rollout_loop import RolloutResult
 
 MODES = {"on_policy": run_on_policy, "topk_offline": run_offline}
 
 
-def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> DistillResult:
+def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> RolloutResult | DistillResult:
+    """on_policy returns the rollout loop's result, topk_offline a DistillResult."""
     return MODES[cfg.distill.mode](cfg, reporter, resume)
 
 

@@ -1,5 +1,6 @@
-"""What both distillation modes share: the result, the teacher and its checks, the resume
-signature and the optimizer-step helpers."""
+"""What both distillation modes share: the teacher and its checks, the resume signature and
+the optimizer-step helper; and the offline mode's result (on_policy returns the rollout
+loop's)."""
 
 from __future__ import annotations
 
@@ -35,20 +36,21 @@ TEACHER_MICRO_BATCH = 1024  # tokens per torch teacher forward at least: no grad
 
 @dataclass
 class DistillResult:
+    """A topk_offline run's outcome."""
+
     output: Path
     mode: str
-    done: int  # updates (on_policy) or epochs (topk_offline)
+    done: int  # epochs
     planned: int
     steps: int
     train_loss: float
     tokens_per_second: float
-    records: list[dict] = field(default_factory=list)  # per update (on_policy) or per step (offline)
+    records: list[dict] = field(default_factory=list)  # per step
     memory: dict = field(default_factory=dict)  # rss baseline / after load / peak
 
     def summary(self) -> str:
-        unit = "update" if self.mode == "on_policy" else "epoch"
         return (
-            f"done {unit}={self.done}/{self.planned} step={self.steps} train_loss={self.train_loss:.4f} "
+            f"done epoch={self.done}/{self.planned} step={self.steps} train_loss={self.train_loss:.4f} "
             f"tok/s={self.tokens_per_second:.0f} out={self.output}"
         )
 

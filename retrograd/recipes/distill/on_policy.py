@@ -1,12 +1,12 @@
-"""On-policy distillation: the student samples on llama.cpp, the teacher scores every sampled
-token, and the student trains on reverse-KL advantages or GKD's generalized JSD (see the
-package docstring)."""
+"""On-policy distillation on the rollout loop: the student samples on llama.cpp, the teacher
+scores every sampled token (`produce`), and the student trains on reverse-KL advantages
+through the shared policy update or on GKD's generalized JSD through its own update (`plan`
+and `train`; see the package docstring)."""
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -17,15 +17,8 @@ from retrograd.errors import ConfigError
 from retrograd.memory import rss_bytes
 from retrograd.objectives.distill import generalized_jsd, teacher_advantages
 from retrograd.objectives.policy import PolicyLossOptions, k3_kl
-from retrograd.recipes.common import (
-    Setup,
-    open_chat,
-    prepare,
-    resume_point,
-    rollout_sampler_options,
-)
+from retrograd.recipes.common import open_chat, prepare, resume_point, rollout_sampler_options
 from retrograd.recipes.distill.common import (
-    DistillResult,
     apply_step,
     distill_signature,
     require_teacher,
@@ -34,23 +27,24 @@ from retrograd.recipes.distill.common import (
     teacher_options,
 )
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
-from retrograd.teacher import (
-    TeacherScores,
-    check_same_tokenizer,
-    gather_at,
-    open_teacher,
-    pack_rollouts,
-)
-from retrograd.training.batches import LogprobOptions
-from retrograd.training.duty_cycle import for_device
-from retrograd.training.metrics import MetricsSink
-from retrograd.training.optim import Schedule, build_optimizer
+from retrograd.teacher import TeacherScores, check_same_tokenizer, gather_at, open_teacher, pack_rollouts
 from retrograd.training.report import Reporter
-from retrograd.training.rollout_loop import warm_up
-from retrograd.training.rollout_run import RunTotals, resume_rollouts, rollout_outputs
-from retrograd.training.rollout_step import PolicyOptimizer, TrainSample
+from retrograd.training.rollout_loop import (
+    Batch,
+    Decision,
+    Evaluation,
+    RolloutRecipe,
+    RolloutResult,
+    Trainer,
+    TrainPlan,
+    cut_text,
+    make_policy,
+    run_rollouts,
+    warm_up,
+)
+from retrograd.training.rollout_step import PolicyOptimizer, TrainSample, UpdateResult
 from retrograd.training.scoring import Rollout, plan, rollout_logprobs
-from retrograd.training.state import RecipeLoop, track_evaluation
+from retrograd.training.timeline import PhaseClock
 
 PHASES = ("generation", "teacher", "reference", "optimizer", "adapter_refresh")
 
@@ -66,9 +60,9 @@ def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return values, mask
 
 
-@dataclass
-class Member:
-    """One sampled completion."""
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion and the teacher's scores of its tokens."""
 
     group: int
     prompt: Prompt  # the student's rendering
@@ -76,19 +70,26 @@ class Member:
     tokens: tuple[int, ...]
     sampler_logprobs: torch.Tensor  # [n] llama.cpp's log-probs of the student when it sampled them
     truncated: bool
-    teacher: TeacherScores | None = None
-    policy_logprobs: torch.Tensor | None = None  # [n] torch's before the update, when trained
+    teacher: TeacherScores
 
     @property
     def rollout(self) -> Rollout:
         return Rollout(self.group, self.prompt.ids, self.tokens)
 
 
+@dataclass(frozen=True)
+class TeacherSample(TrainSample):
+    """A training sample that carries the teacher's scores of its tokens (the jsd loss reads
+    their top-k)."""
+
+    teacher: TeacherScores
+
+
 def sampler_options(cfg: Config) -> SamplerOptions:
     return rollout_sampler_options(cfg, cfg.distill.prompts_per_update * cfg.distill.samples_per_prompt)
 
 
-def run_on_policy(cfg: Config, reporter: Reporter, resume) -> DistillResult:
+def run_on_policy(cfg: Config, reporter: Reporter, resume) -> RolloutResult:
     d, t = cfg.distill, cfg.training
     baseline_rss = rss_bytes()
     teacher_path = require_teacher(cfg)
@@ -103,328 +104,211 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> DistillResult:
     teacher_prompts = load_prompts(d.prompts, t_chat, max_tokens=budget)
     eval_prompts = eval_teacher = ()
     if cfg.evaluation:
-        eval_prompts = evenly_spaced(
-            load_prompts(cfg.evaluation.data, chat, max_tokens=budget), cfg.evaluation.max_examples
-        )
-        eval_teacher = evenly_spaced(
-            load_prompts(cfg.evaluation.data, t_chat, max_tokens=budget), cfg.evaluation.max_examples
-        )
+        ev = cfg.evaluation
+        eval_prompts = evenly_spaced(load_prompts(ev.data, chat, max_tokens=budget), ev.max_examples)
+        eval_teacher = evenly_spaced(load_prompts(ev.data, t_chat, max_tokens=budget), ev.max_examples)
     setup = prepare(cfg, reporter, chat)
+    t0, r0 = time.perf_counter(), rss_bytes()
     teacher = open_teacher(
         teacher_path,
         d.teacher_backend,
         teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt, setup.model.spec.n_vocab,
                         temperature=d.sampling.temperature),
     )
+    init = setup.timings | {f"teacher ({d.teacher_backend})": (time.perf_counter() - t0, rss_bytes() - r0)}
     reporter.message(f"teacher {teacher_path.name} through {d.teacher_backend}")
     try:
+        t0, r0 = time.perf_counter(), rss_bytes()
         with Sampler(setup.model.path, sampler_options(cfg)) as sampler:
-            loop = OnPolicyLoop(
-                cfg, setup, sampler, teacher, (prompts, teacher_prompts), (eval_prompts, eval_teacher), reporter
-            )
-            warm_up(setup)
-            result = loop.run(resume)
+            init |= {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}
+            loss_options = PolicyLossOptions(clip_range_low=d.clip_range_low, clip_range_high=d.clip_range_high)
+            policy = make_policy(cfg, setup, loss_options, updates=d.updates, steps_per_update=d.distill_epochs,
+                                 temperature=d.sampling.temperature, reporter=reporter)
+            rollouts = OnPolicyRollouts(cfg, sampler, teacher, policy, (prompts, teacher_prompts),
+                                        (eval_prompts, eval_teacher))
+            data_files = {"distill.prompts": d.prompts} | (
+                {"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
+            trainer = Trainer(setup, sampler, policy, reporter, distill_signature(setup, data_files),
+                              init | warm_up(setup), baseline_rss)
+            return run_rollouts(cfg, rollouts.recipe(), trainer, resume_point(cfg, resume, reporter))
     finally:
         teacher.close()
-    result.memory = {"baseline": baseline_rss, "after_load": loop.rss_after_load, "peak": loop.totals.peak_rss}
-    return result
 
 
-class OnPolicyLoop(RecipeLoop):
-    def __init__(self, cfg: Config, setup: Setup, sampler: Sampler, teacher, prompts, eval_prompts, reporter: Reporter):
-        self.cfg, self.setup, self.sampler, self.teacher, self.reporter = cfg, setup, sampler, teacher, reporter
+class OnPolicyRollouts:
+    """What on-policy distillation hands the rollout loop: sampled completions scored by the
+    teacher, their per-token advantages, and the update of the configured loss."""
+
+    def __init__(self, cfg: Config, sampler: Sampler, teacher, policy: PolicyOptimizer, prompts, eval_prompts):
+        self.cfg, self.d, self.sampler, self.teacher, self.policy = cfg, cfg.distill, sampler, teacher, policy
+        self.setup = policy.setup
         self.prompts, self.teacher_prompts = prompts
         self.eval_prompts, self.eval_teacher_prompts = eval_prompts
-        d, t = cfg.distill, cfg.training
-        self.optimizer = build_optimizer(setup.adapter.parameters(), t.optimizer, t.lr, t.weight_decay)
-        self.total_steps = d.updates * d.distill_epochs
-        self.schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, self.total_steps, t.max_grad_norm, d.updates)
-        self.duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
-        self.options = LogprobOptions.from_training(t, setup.model.spec.n_vocab, d.sampling.temperature)
-        loss_options = PolicyLossOptions(clip_range_low=d.clip_range_low, clip_range_high=d.clip_range_high)
-        self.policy = PolicyOptimizer(
-            setup, self.optimizer, loss_options, self.schedule, self.options, self.duty, t.micro_batch, cfg.lora.seed
-        )
-        self.sampling = Sampling(d.sampling.max_new_tokens, d.sampling.temperature, d.sampling.top_p)
-        self.progress = {"update": 0, "global_step": 0, "prompt_cursor": 0, "best_eval": None, "stale_evals": 0}
-        self.rss_after_load = rss_bytes()
-        self.totals = RunTotals("train/loss")
+        self.sampling = Sampling(self.d.sampling.max_new_tokens, self.d.sampling.temperature, self.d.sampling.top_p)
 
-    def run(self, resume) -> DistillResult:
-        cfg, d = self.cfg, self.cfg.distill
-        data_files = {"distill.prompts": d.prompts} | (
-            {"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {}
-        )
-        self.signature = distill_signature(self.setup, data_files)
-        checkpoint = resume_point(cfg, resume, self.reporter)
-        self.progress = (
-            resume_rollouts(checkpoint, self.signature, self.policy, self.sampler, self.reporter) or self.progress
-        )
-        self.reporter.message(
-            f"distill on_policy ({d.loss}): updates={d.updates}, distill_epochs={d.distill_epochs}, "
-            f"prompts={len(self.prompts)}, prompts_per_update={d.prompts_per_update}, samples_per_prompt={d.samples_per_prompt}"
-        )
-        records = []
-        rollouts_path = cfg.output.path.parent / "rollouts.jsonl"
-        with rollout_outputs(cfg, rollouts_path, append=checkpoint is not None) as (metrics, rollouts_file):
-            self.reporter.start(
-                d.updates, ["update", "step", "loss", "teacher_kl", "clipped", "kl", "lr", "tok/s"], "updates"
-            )
-            self.reporter.advance(self.progress["update"], "")
-            try:
-                while self.progress["update"] < d.updates:
-                    update = self.progress["update"]
-                    m, timing, members = self.totals.measure(self.update, update)
-                    self.progress["update"] = update + 1
-                    m = self.account(update, m, timing) | {"train/update": update + 1}
-                    metrics.log(self.progress["global_step"], m)
-                    records.append(m)
-                    self._write_rollouts(rollouts_file, update, members)
-                    self.reporter.row(
-                        {
-                            "update": f"{update + 1}/{d.updates}",
-                            "step": self.progress["global_step"],
-                            "loss": m.get("train/loss"),
-                            "teacher_kl": m.get("distill/teacher_kl_mean"),
-                            "clipped": m.get("distill/advantage_clipped_fraction"),
-                            "kl": m.get("policy/kl"),
-                            "lr": m.get("optimizer/learning_rate"),
-                            "tok/s": m["train/tokens_per_second"],
-                        }
-                    )
-                    self.reporter.advance(
-                        update + 1, f"teacher_kl={m.get('distill/teacher_kl_mean', float('nan')):.3f}"
-                    )
-                    stop = False
-                    if self.eval_prompts and self._evaluation_due(update):
-                        stop = self._evaluate(update, metrics)
-                    self.save_if_crossed(m["train/steps"])
-                    if stop:
-                        break
-            finally:
-                self.reporter.finish()
-        out = self.setup.write_output()
-        return DistillResult(
-            out,
-            "on_policy",
-            self.progress["update"],
-            d.updates,
-            self.progress["global_step"],
-            self.totals.last_loss,
-            self.totals.tokens_per_second,
-            records,
+    def recipe(self) -> RolloutRecipe:
+        d = self.d
+        return RolloutRecipe(
+            name=f"distill on_policy ({d.loss})",
+            plan_line=(f"updates={d.updates}, distill_epochs={d.distill_epochs}, prompts={len(self.prompts)}, "
+                       f"prompts_per_update={d.prompts_per_update}, samples_per_prompt={d.samples_per_prompt}"),
+            updates=d.updates, epochs_label="distill_epochs", epochs=d.distill_epochs, minibatches=1,
+            budget_tokens=d.sampling.max_new_tokens, phases=PHASES,
+            columns=("loss", "teacher_kl", "clipped", "kl", "lr", "tok/s"), loss_key="train/loss",
+            produce=self.produce, plan=self.plan, record=self.record, row=self.row,
+            status=lambda m: f"teacher_kl={m.get('distill/teacher_kl_mean', float('nan')):.3f}",
+            evaluate=self.evaluate if self.eval_prompts else None,
+            train={"reverse_kl": self.train_reverse_kl, "jsd": self.train_jsd}[d.loss],
         )
 
-    def update(self, update: int) -> tuple[dict, dict, list[Member]]:
-        d = self.cfg.distill
-        timing = dict.fromkeys(PHASES, 0.0)
-        members = self._sample(update, timing)
-        t0 = time.perf_counter()
-        rollouts = [Rollout(m.group, m.teacher_prompt, m.tokens) for m in members]
-        for m, scores in zip(members, self.teacher.score(rollouts, topk=d.topk if d.loss == "jsd" else 0)):
-            m.teacher = scores
-        timing["teacher"] = time.perf_counter() - t0
-        lengths = [len(m.tokens) for m in members]
+    # ---------------------------------------------------------------- producing rollouts
+
+    def produce(self, update: int, cursor: int, clock: PhaseClock) -> Batch:
+        """samples_per_prompt completions of each of prompts_per_update prompts from the
+        stream at `cursor`, and the teacher's scores of their tokens (top-k too for jsd)."""
+        d = self.d
+        chosen = [prompt_index(cursor + k, len(self.prompts), order=order_name(d.prompt_order), seed=self.cfg.lora.seed)
+                  for k in range(d.prompts_per_update)]
+        requests = [GroupRequest(self.prompts[i].ids,
+                                 [completion_seed(d.sampling.seed, cursor + k, j) for j in range(d.samples_per_prompt)],
+                                 self.sampling)
+                    for k, i in enumerate(chosen)]
+        with clock.phase("generation"), self.policy.duty.burst():
+            groups = self.sampler.generate(requests)
+        sampled = [(g, i, c) for g, (i, group) in enumerate(zip(chosen, groups)) for c in group]
+        with clock.phase("teacher"):
+            to_score = [Rollout(g, self.teacher_prompts[i].ids, tuple(c.tokens)) for g, i, c in sampled]
+            scores = self.teacher.score(to_score, topk=d.topk if d.loss == "jsd" else 0)
+        completions = tuple(
+            Completion(g, self.prompts[i], self.teacher_prompts[i].ids, tuple(c.tokens), torch.tensor(c.logprobs),
+                       c.finish == "length", s)
+            for (g, i, c), s in zip(sampled, scores)
+        )
+        lengths = [len(c.tokens) for c in completions]
         metrics = {
             "completions/length_mean": float(np.mean(lengths)),
             "completions/length_min": float(min(lengths)),
             "completions/length_max": float(max(lengths)),
-            "completions/truncation_fraction": float(np.mean([m.truncated for m in members])),
+            "completions/truncation_fraction": float(np.mean([c.truncated for c in completions])),
         }
-        trained = [m for m in members if not (d.mask_truncated and m.truncated)]
-        steps_before = self.policy.global_step
-        if trained:
-            teacher_logp, mask = padded([m.teacher.logprobs for m in trained])  # [B, T]
-            sampler_logp, _ = padded([m.sampler_logprobs for m in trained])  # [B, T]
-            advantages, diagnostics = teacher_advantages(teacher_logp, sampler_logp, mask, d.weight_clip)  # [B, T]
-            metrics |= diagnostics
-            metrics |= TRAINERS[d.loss](self, update, trained, advantages, timing)
-            t0 = time.perf_counter()
-            metrics["sampler/adapter_refresh_seconds"] = self.sampler.set_adapter(self.setup.adapter).total_s
-            timing["adapter_refresh"] = time.perf_counter() - t0
-        else:
-            self.reporter.message(
-                f"update {update + 1}: every completion was truncated (distill.mask_truncated); nothing to train"
-            )
-        self.progress["global_step"] = self.policy.global_step
-        metrics |= {
-            "batch/trained_fraction": len(trained) / len(members),
-            "train/steps": self.policy.global_step - steps_before,
-        }
-        return metrics, timing, members
+        return Batch(update, completions, cursor + d.prompts_per_update, metrics)
 
-    def _sample(self, update: int, timing: dict) -> list[Member]:
-        d = self.cfg.distill
-        cursor = self.progress["prompt_cursor"]
-        chosen = [
-            prompt_index(cursor + k, len(self.prompts), order=order_name(d.prompt_order), seed=self.cfg.lora.seed)
-            for k in range(d.prompts_per_update)
-        ]
-        requests = [
-            GroupRequest(
-                self.prompts[i].ids,
-                [completion_seed(d.sampling.seed, cursor + k, j) for j in range(d.samples_per_prompt)],
-                self.sampling,
-            )
-            for k, i in enumerate(chosen)
-        ]
-        self.progress["prompt_cursor"] = cursor + d.prompts_per_update
-        t0 = time.perf_counter()
-        with self.duty.burst():
-            completions = self.sampler.generate(requests)
-        timing["generation"] = time.perf_counter() - t0
-        return [
-            Member(
-                g,
-                self.prompts[i],
-                self.teacher_prompts[i].ids,
-                tuple(c.tokens),
-                torch.tensor(c.logprobs),
-                c.finish == "length",
-            )
-            for g, (i, group) in enumerate(zip(chosen, completions))
-            for c in group
-        ]
+    # ---------------------------------------------------------------- training samples
+
+    def plan(self, batch: Batch, state: dict) -> TrainPlan:
+        """Per-token advantages clamp(log p_T - log p_S, ±weight_clip) of the completions
+        mask_truncated leaves in; a decision's advantage is its completion's mean."""
+        d, completions = self.d, batch.rollouts
+        trained = [k for k, c in enumerate(completions) if not (d.mask_truncated and c.truncated)]
+        samples, metrics = [], {}
+        if trained:
+            chosen = [completions[k] for k in trained]
+            teacher_logp, mask = padded([c.teacher.logprobs for c in chosen])  # [B, T]
+            sampler_logp, _ = padded([c.sampler_logprobs for c in chosen])  # [B, T]
+            advantages, metrics = teacher_advantages(teacher_logp, sampler_logp, mask, d.weight_clip)  # [B, T]
+            samples = [TeacherSample(c.rollout, advantages[i, : len(c.tokens)], c.sampler_logprobs, c.teacher)
+                       for i, c in enumerate(chosen)]
+        mean_advantage = {k: s.advantages.mean().item() for k, s in zip(trained, samples)}
+        decisions = tuple(
+            Decision(mean_advantage[k], True) if k in mean_advantage else Decision(0.0, False, "truncated")
+            for k in range(len(completions))
+        )
+        metrics |= {"batch/trained_fraction": len(trained) / len(completions)}
+        return TrainPlan(
+            tuple(samples), tuple(trained), decisions, metrics, beta=d.kl_coefficient, state=state,
+            note="every completion was truncated (distill.mask_truncated); nothing to train",
+        )
 
     # ---------------------------------------------------------------- the two losses
 
-    def _train_reverse_kl(self, update: int, trained: list[Member], advantages: torch.Tensor, timing: dict) -> dict:
+    def train_reverse_kl(self, update: int, samples: list[TeacherSample], beta: float,
+                         clock: PhaseClock) -> UpdateResult:
         """The sampled-token estimator of the reverse KL's gradient, through the shared policy update."""
-        d = self.cfg.distill
-        samples = [
-            TrainSample(m.rollout, advantages[i, : len(m.tokens)], m.sampler_logprobs) for i, m in enumerate(trained)
-        ]
-        result = self.policy.update(
-            update,
-            samples,
-            beta=d.kl_coefficient,
-            epochs=d.distill_epochs,
-            minibatches=1,
-            budget_tokens=d.sampling.max_new_tokens,
-            timing=timing,
-        )
-        for m, logp in zip(trained, result.policy_logprobs):
-            m.policy_logprobs = logp
-        return result.diagnostics | {"train/loss": result.diagnostics["policy/total_loss"]}
+        d = self.d
+        result = self.policy.update(update, samples, beta=beta, epochs=d.distill_epochs, minibatches=1,
+                                    budget_tokens=d.sampling.max_new_tokens, timing=clock)
+        return replace(result, diagnostics=result.diagnostics | {"train/loss": result.diagnostics["policy/total_loss"]})
 
-    def _train_jsd(self, update: int, trained: list[Member], advantages: torch.Tensor, timing: dict) -> dict:
-        """GKD's generalized JSD over the teacher's top-k at each sampled position (+ k3 KL to
-        the base on the sampled tokens), divided by samples x max_new_tokens; one step per epoch."""
-        d, setup = self.cfg.distill, self.setup
+    def train_jsd(self, update: int, samples: list[TeacherSample], beta: float, clock: PhaseClock) -> UpdateResult:
+        """GKD's generalized JSD over the teacher's top-k at each sampled position (+ beta x
+        the k3 KL to the base on the sampled tokens), divided by samples x max_new_tokens;
+        one step per epoch."""
+        d, setup, policy = self.d, self.setup, self.policy
         model = setup.model.transformer
-        rollouts = [m.rollout for m in trained]
+        rollouts = [s.rollout for s in samples]
         ref = None
-        if d.kl_coefficient > 0:
-            t0 = time.perf_counter()
-            with setup.adapter.disabled():
-                ref = rollout_logprobs(model, rollouts, self.options, self.cfg.training.micro_batch, setup.device)
-            timing["reference"] = time.perf_counter() - t0
-        denominator = len(trained) * d.sampling.max_new_tokens
-        t0 = time.perf_counter()
-        totals: dict[str, float] = {}
-        total = self.schedule.total_from(update, self.policy.global_step, d.distill_epochs)
-        n_tokens = sum(len(m.tokens) for m in trained)
-        for epoch in range(d.distill_epochs):
-            lr = self.schedule.apply(self.optimizer, self.policy.global_step, total)
-            step = dict.fromkeys(("distill/jsd", "train/loss") + (("policy/kl",) if ref is not None else ()), 0.0)
-            with self.duty.burst():
-                for micro in plan(rollouts, self.cfg.training.micro_batch):
-                    batch, order = pack_rollouts([rollouts[i] for i in micro], setup.device)
-                    chosen = [trained[micro[k]] for k in order]
-                    teacher_ids = torch.cat([m.teacher.topk_ids for m in chosen]).to(setup.device)  # [N, K]
-                    teacher_logp = torch.cat([m.teacher.topk_logprobs for m in chosen]).to(setup.device)  # [N, K]
-                    ids = torch.cat([batch.targets[:, None], teacher_ids], 1)  # [N, 1 + K]: the sampled token first
-                    logp, _ = gather_at(model, batch, ids, self.options)  # [N, 1 + K]
-                    every = torch.ones(len(ids), dtype=torch.bool, device=setup.device)  # [N]
-                    loss, diag = generalized_jsd(logp[:, 1:], teacher_logp, every, denominator, d.jsd_beta)
-                    if epoch == 0:  # the student before this update's steps, for rollouts.jsonl
-                        for m, lp in zip(chosen, logp[:, 0].detach().float().cpu().split([len(m.tokens) for m in chosen])):
-                            m.policy_logprobs = lp
-                    if ref is not None:
-                        ref_logp = torch.cat([ref[micro[k]] for k in order]).to(setup.device)  # [N]
-                        kl = k3_kl(ref_logp, logp[:, 0])  # [N]
-                        loss = loss + d.kl_coefficient * kl.sum() / denominator
-                        step["policy/kl"] += kl.sum().item() / n_tokens  # per token, as the policy update reports it
-                    loss.backward()
-                    step["distill/jsd"] += diag["distill/jsd"]
-                    step["train/loss"] += loss.item()
-                apply_step(
-                    setup,
-                    self.optimizer,
-                    self.policy.params,
-                    step["train/loss"],
-                    self.policy.global_step,
-                    self.schedule.max_grad_norm,
-                )
-            self.policy.global_step += 1
-            for k, v in step.items():
-                totals[k] = totals.get(k, 0.0) + v / d.distill_epochs
-        timing["optimizer"] = time.perf_counter() - t0
-        return totals | {
-            "optimizer/learning_rate": lr,
-            "batch/trained_tokens": float(sum(len(m.tokens) for m in trained)),
+        if beta > 0:
+            with clock.phase("reference"), setup.adapter.disabled():
+                ref = rollout_logprobs(model, rollouts, policy.options, policy.micro_batch, setup.device)
+        denominator = len(samples) * d.sampling.max_new_tokens
+        n_tokens = sum(len(r.tokens) for r in rollouts)
+        total = policy.schedule.total_from(update, policy.global_step, d.distill_epochs)
+        before: list[torch.Tensor | None] = [None] * len(samples)  # the student before this update's steps
+        per_step: list[dict] = []
+        with clock.phase("optimizer"):
+            for epoch in range(d.distill_epochs):
+                lr = policy.schedule.apply(policy.optimizer, policy.global_step, total)
+                step = dict.fromkeys(("distill/jsd", "train/loss") + (("policy/kl",) if ref is not None else ()), 0.0)
+                with policy.duty.burst():
+                    for micro in plan(rollouts, policy.micro_batch):
+                        batch, order = pack_rollouts([rollouts[i] for i in micro], setup.device)
+                        chosen = [micro[k] for k in order]  # sample indices in packed order
+                        teacher = [samples[i].teacher for i in chosen]
+                        teacher_ids = torch.cat([t.topk_ids for t in teacher]).to(setup.device)  # [N, K]
+                        teacher_logp = torch.cat([t.topk_logprobs for t in teacher]).to(setup.device)  # [N, K]
+                        ids = torch.cat([batch.targets[:, None], teacher_ids], 1)  # [N, 1 + K]: the sampled token first
+                        logp, _ = gather_at(model, batch, ids, policy.options)  # [N, 1 + K]
+                        every = torch.ones(len(ids), dtype=torch.bool, device=setup.device)  # [N]
+                        loss, diag = generalized_jsd(logp[:, 1:], teacher_logp, every, denominator, d.jsd_beta)
+                        if epoch == 0:
+                            sampled = logp[:, 0].detach().float().cpu().split([len(rollouts[i].tokens) for i in chosen])
+                            for i, lp in zip(chosen, sampled):
+                                before[i] = lp
+                        if ref is not None:
+                            ref_logp = torch.cat([ref[i] for i in chosen]).to(setup.device)  # [N]
+                            kl = k3_kl(ref_logp, logp[:, 0])  # [N]
+                            loss = loss + beta * kl.sum() / denominator
+                            step["policy/kl"] += kl.sum().item() / n_tokens  # per token, as the policy update has it
+                        loss.backward()
+                        step["distill/jsd"] += diag["distill/jsd"]
+                        step["train/loss"] += loss.item()
+                    apply_step(setup, policy.optimizer, policy.params, step["train/loss"], policy.global_step,
+                               policy.schedule.max_grad_norm)
+                policy.global_step += 1
+                per_step.append(step)
+        means = {k: sum(s[k] / d.distill_epochs for s in per_step) for k in per_step[0]}
+        diagnostics = means | {"optimizer/learning_rate": lr, "batch/trained_tokens": float(n_tokens)}
+        return UpdateResult(diagnostics, per_step, before)
+
+    # ---------------------------------------------------------------- reporting, evaluation
+
+    def record(self, c: Completion, decision: Decision, policy_logprobs: list | None, update: int, cap: int) -> dict:
+        text = self.setup.model.tokenizer.decode(list(c.tokens), special=False)
+        return {
+            "update": update + 1, "group": c.group, "source": c.prompt.source, "prompt": cut_text(c.prompt.text, cap),
+            "completion": cut_text(text, cap), "tokens": len(c.tokens), "truncated": c.truncated,
+            "teacher_kl_mean": (c.sampler_logprobs - c.teacher.logprobs).mean().item(),
+            "prompt_ids": list(c.prompt.ids), "completion_ids": list(c.tokens),
+            "sampler_logprobs": c.sampler_logprobs.tolist(), "policy_logprobs": policy_logprobs,
+            "teacher_logprobs": c.teacher.logprobs.tolist(),
         }
 
-    # ---------------------------------------------------------------- evaluation, checkpoints
+    def row(self, m: dict) -> dict:
+        return {"loss": m.get("train/loss"), "teacher_kl": m.get("distill/teacher_kl_mean"),
+                "clipped": m.get("distill/advantage_clipped_fraction"), "kl": m.get("policy/kl"),
+                "lr": m.get("optimizer/learning_rate"), "tok/s": m["train/tokens_per_second"]}
 
-    def _evaluation_due(self, update: int) -> bool:
-        return (update + 1) % self.cfg.evaluation.every_iterations == 0 or update + 1 == self.cfg.distill.updates
-
-    def _evaluate(self, update: int, metrics: MetricsSink) -> bool:
+    def evaluate(self, update: int) -> Evaluation:
         """Mean log p_S - log p_T over the tokens of one completion per held-out prompt (fixed
-        seeds); best checkpoint and patience. Returns True to stop early."""
-        d, ev = self.cfg.distill, self.cfg.evaluation
-        requests = [
-            GroupRequest(p.ids, [completion_seed(d.sampling.seed + 1, i, 0)], self.sampling)
-            for i, p in enumerate(self.eval_prompts)
-        ]
+        seeds): lower is better."""
+        d = self.d
+        requests = [GroupRequest(p.ids, [completion_seed(d.sampling.seed + 1, i, 0)], self.sampling)
+                    for i, p in enumerate(self.eval_prompts)]
         completions = [group[0] for group in self.sampler.generate(requests)]
         rollouts = [Rollout(i, self.eval_teacher_prompts[i].ids, tuple(c.tokens)) for i, c in enumerate(completions)]
         teacher = self.teacher.score(rollouts)
         gap = torch.cat([torch.tensor(c.logprobs) - s.logprobs for c, s in zip(completions, teacher)]).double()  # [n]
         value = gap.mean().item()
-        metrics.log(
-            self.progress["global_step"],
-            {"eval/teacher_kl_mean": value, "eval/tokens": gap.numel(), "train/update": update + 1},
-        )
-        outcome = track_evaluation(
-            self.progress, value, higher_is_better=False, min_delta=ev.min_delta, patience=ev.patience
-        )
         line = f"eval update {update + 1}/{d.updates}: teacher_kl {value:.4f} nats/token over {gap.numel()} tokens"
-        if outcome.improved and self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
-            self.save("best")
-        self.reporter.message(
-            f"{line}  best {outcome.best:.4f}"
-            + ("" if outcome.improved else f", stale {outcome.stale}/{ev.patience or '∞'}")
-        )
-        return outcome.stop
-
-    def _write_rollouts(self, f, update: int, members: list[Member]) -> None:
-        tokenizer = self.setup.model.tokenizer
-        for m in members:
-            gap = (m.sampler_logprobs - m.teacher.logprobs).mean().item()
-            f.write(
-                json.dumps(
-                    {
-                        "update": update + 1,
-                        "group": m.group,
-                        "source": m.prompt.source,
-                        "prompt": m.prompt.text,
-                        "completion": tokenizer.decode(list(m.tokens), special=False),
-                        "tokens": len(m.tokens),
-                        "truncated": m.truncated,
-                        "teacher_kl_mean": gap,
-                        "prompt_ids": list(m.prompt.ids),
-                        "completion_ids": list(m.tokens),
-                        "sampler_logprobs": m.sampler_logprobs.tolist(),
-                        "policy_logprobs": None if m.policy_logprobs is None else m.policy_logprobs.tolist(),
-                        "teacher_logprobs": m.teacher.logprobs.tolist(),
-                    },
-                    ensure_ascii=False,
-                )
-                + "\n"
-            )
-        f.flush()
-
-
-TRAINERS = {"reverse_kl": OnPolicyLoop._train_reverse_kl, "jsd": OnPolicyLoop._train_jsd}
+        metrics = {"eval/teacher_kl_mean": value, "eval/tokens": gap.numel()}
+        return Evaluation(value, metrics, line, higher_is_better=False)

@@ -1,0 +1,148 @@
+"""Asynchronous rollouts (training.max_async_rollout) and timeline.jsonl, on a tiny llama
+sampled by the real llama.cpp: the staleness bound, what the first update shares with a
+synchronous run, reproducibility at N = 1, evaluation through the producer thread, errors
+raised in the producer, resume, and the keys that cannot apply."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_grpo import metrics, one_line_error, write_config
+
+from retrograd.config import load_config
+from retrograd.profile import timeline_summary
+from retrograd.recipes import grpo
+from retrograd.training.report import SilentReporter
+from retrograd.training.timeline import TIMELINE_COUNTERS, read_timeline
+
+RETROGRAD = [sys.executable, "-m", "retrograd"]
+
+
+def run_grpo(tmp: Path, model: Path, *, ahead: int, updates: int = 4, extra: str = "", reward: str | None = None):
+    training = f'compute_dtype = "f32"\ngeneration_threads = 1\nmax_async_rollout = {ahead}'
+    cfg = one_thread(write_config(tmp, model, updates=updates, training=training, reward_name="length", extra=extra, reward=reward))
+    return grpo.run(load_config(cfg), SilentReporter())
+
+
+def one_thread(cfg: Path) -> Path:
+    """One torch thread beside one llama.cpp thread: the two sides share the 2 cores."""
+    cfg.write_text(cfg.read_text().replace("threads = 2", "threads = 1"))
+    return cfg
+
+
+def update_rows(path: Path) -> list[dict]:
+    return [r for r in metrics(path) if "reward/mean" in r]
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("async")
+    result = run_grpo(tmp, tiny_model("llama"), ahead=1)
+    return tmp, result
+
+
+def test_batches_are_never_staler_than_the_bound(async_run):
+    tmp, result = async_run
+    rows = update_rows(tmp / "out/metrics.jsonl")
+    assert result.updates_done == 4 and len(rows) == 4
+    # update 1 samples with the initial adapter; every later one with the adapter one update old
+    assert [r["rollouts/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["rollouts/canceled"] == 0 for r in rows)
+
+
+def test_the_timeline_has_both_sides_and_counters_per_update(async_run):
+    tmp, _ = async_run
+    spans, counters = read_timeline(tmp / "out/timeline.jsonl")
+    assert sorted(counters) == [1, 2, 3, 4] and set(counters[1]) == set(TIMELINE_COUNTERS)
+    by_side = {(s["worker"], s["phase"]) for s in spans}
+    assert {("sampler", "generation"), ("sampler", "reward"), ("sampler", "adapter_refresh"),
+            ("trainer", "optimizer"), ("trainer", "adapter_push"), ("trainer", "waiting_for_batch")} <= by_side
+    assert all(s["end"] >= s["start"] >= 0 for s in spans)
+    # the sampler produced update 2 while the trainer trained update 1: their spans overlap
+    generation_2 = next(s for s in spans if s["update"] == 2 and s["phase"] == "generation")
+    optimizer_1 = next(s for s in spans if s["update"] == 1 and s["phase"] == "optimizer")
+    assert generation_2["start"] < optimizer_1["end"] and optimizer_1["start"] < generation_2["end"]
+    truncated = [sum(r["truncated"] for r in metrics(tmp / "out/rollouts.jsonl") if r["update"] == u) for u in (1, 2, 3, 4)]
+    assert [counters[u]["truncated_rollouts"] for u in (1, 2, 3, 4)] == truncated
+    lines = timeline_summary(tmp / "out/timeline.jsonl")
+    assert lines[0].startswith("Timeline (timeline.jsonl, 4 updates") and lines[-1].strip().startswith(("bottleneck:", "balanced:"))
+
+
+def test_first_update_equals_the_synchronous_run_and_n1_is_reproducible(async_run, tmp_path, tiny_model):
+    """Update 1 samples with the same (initial) adapter in both modes, so its rollouts are the
+    same; later updates differ (they sample one adapter behind). At N = 1 the producer always
+    samples update u with the adapter of update u - 1, so a second run repeats the first."""
+    tmp, _ = async_run
+    model = tiny_model("llama")
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "again").mkdir()
+    run_grpo(tmp_path / "sync", model, ahead=0)
+    run_grpo(tmp_path / "again", model, ahead=1)
+    first = metrics(tmp / "out/rollouts.jsonl")
+    sync = metrics(tmp_path / "sync/out/rollouts.jsonl")
+    again = metrics(tmp_path / "again/out/rollouts.jsonl")
+    ids = lambda rows, u: [r["completion_ids"] for r in rows if r["update"] == u]
+    assert ids(first, 1) == ids(sync, 1)
+    assert any(ids(first, u) != ids(sync, u) for u in (2, 3, 4))
+    without_paths = lambda rows: [{k: v for k, v in r.items() if k != "source"} for r in rows]
+    assert without_paths(first) == without_paths(again)
+    assert update_rows(tmp / "out/metrics.jsonl")[0]["policy/total_loss"] == update_rows(tmp_path / "sync/out/metrics.jsonl")[0]["policy/total_loss"]
+
+
+def test_evaluation_runs_through_the_producer(tmp_path, tiny_model):
+    result = run_grpo(tmp_path, tiny_model("llama"), ahead=2, updates=3,
+                      extra='[evaluation]\ndata = "prompts.jsonl"\nmax_examples = 3\nevery_iterations = 1')
+    rows = metrics(tmp_path / "out/metrics.jsonl")
+    evals = [r for r in rows if "eval/mean_reward" in r]
+    assert result.updates_done == 3 and [r["train/update"] for r in evals] == [1, 2, 3]
+    assert max(r["rollouts/staleness"] for r in update_rows(tmp_path / "out/metrics.jsonl")) <= 2
+
+
+def test_an_error_in_the_producer_stops_the_run_on_one_line(tmp_path, tiny_model):
+    (tmp_path / "bad.py").write_text("def reward(prompts, completions):\n    return [0.0] * (len(completions) - 1)\n")
+    cfg = one_thread(write_config(tmp_path, tiny_model("llama"), training="max_async_rollout = 1",
+                                  reward=f'reward_function = "{tmp_path / "bad.py"}:reward"'))
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    one_line_error(r, "bad.py")
+
+
+def test_resume_under_async_restarts_the_producer_and_says_so(tmp_path, tiny_model):
+    """From the checkpoint after update 2 the run goes on at update 3, with the producer
+    restarted on the checkpointed adapter (so update 3 samples with staleness 0 this time)."""
+    one_thread(write_config(tmp_path, tiny_model("llama"), updates=3, reward_name="length",
+                            training='compute_dtype = "f32"\nmax_async_rollout = 1',
+                            extra='[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 1'))
+    first = subprocess.run([*RETROGRAD, "train", "grpo.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert [r["rollouts/staleness"] for r in update_rows(tmp_path / "out/metrics.jsonl")] == [0, 1, 1]
+    r = subprocess.run([*RETROGRAD, "train", "grpo.toml", "--resume-from", "ckpt/step-000000000002.state"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "max_async_rollout = 1: sampling restarts at update 3 with the checkpointed adapter" in r.stdout + r.stderr
+    rows = update_rows(tmp_path / "out/metrics.jsonl")
+    assert [(row["train/update"], row["rollouts/staleness"]) for row in rows] == [(1, 0), (2, 1), (3, 1), (3, 0)]
+    assert read_timeline(tmp_path / "out/timeline.jsonl")[1][3]["in_flight_rollouts"] == 0  # the resumed run's update 3
+
+
+@pytest.mark.parametrize("algorithm,needle", [
+    ("sft", "training.max_async_rollout applies to rollout algorithms (grpo, agent_grpo, distill), not sft"),
+    ("offline", "training.max_async_rollout applies to rollout algorithms; distill mode 'topk_offline' samples nothing"),
+])
+def test_max_async_rollout_where_nothing_is_sampled_is_refused(tmp_path, algorithm, needle):
+    section = ('[run]\nalgorithm = "sft"\n[sft]\ndata = "d.jsonl"\n' if algorithm == "sft" else
+               '[run]\nalgorithm = "distill"\n[distill]\nmode = "topk_offline"\nteacher_path = "t.gguf"\ndata = "d.jsonl"\n')
+    (tmp_path / "run.toml").write_text(section + '[output]\npath = "out/a.gguf"\n[training]\nmax_async_rollout = 1\n')
+    r = subprocess.run([*RETROGRAD, "train", "run.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    one_line_error(r, needle)
+
+
+def test_timeline_of_a_synchronous_run_names_the_larger_side(tmp_path, tiny_model):
+    run_grpo(tmp_path, tiny_model("llama"), ahead=0, updates=2)
+    spans, counters = read_timeline(tmp_path / "out/timeline.jsonl")
+    assert {s["worker"] for s in spans} == {"sampler", "trainer"}
+    assert all(c["waiting_for_batch_seconds"] == 0 and c["in_flight_rollouts"] == 0 for c in counters.values())
+    verdict = timeline_summary(tmp_path / "out/timeline.jsonl")[-1]
+    assert "taking turns: max_async_rollout = 0" in verdict
+    json.dumps(verdict)
