@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -34,9 +35,13 @@ def train(
     """Train a LoRA on the frozen GGUF base as \\[run].algorithm says, and export it for llama.cpp."""
     from retrograd.config import load_config
     from retrograd.recipes import RECIPES
+    from retrograd.training.report import SilentReporter
 
     resume_arg = resume_choice(resume, resume_from, ctx.args)
     cfg = load_config(config).with_overrides(model=model, device=device)
+    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun rank 0 reports for every rank
+        RECIPES[cfg.run.algorithm](cfg, SilentReporter(), resume=resume_arg)
+        return
     reporter = ReportingConsole(cfg)
     reporter.message("train")
     reporter.message(f"  config: {cfg.path}")

@@ -6,7 +6,8 @@ packing of examples into micro-batches of `training.micro_batch` tokens, and
 `gradient_accumulation` micro-batches per optimizer step. The loss of a step is the mean
 negative log-likelihood over all of its supervised tokens. Everything the next step depends
 on (LoRA weights, optimizer moments, RNG, data position) is in each checkpoint, so a resumed
-run repeats the remaining steps bit for bit.
+run repeats the remaining steps bit for bit. Under torchrun a step's micro-batches are dealt
+out to the ranks and their gradients summed (training/distributed.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from retrograd.memory import rss_bytes
 from retrograd.recipes.common import open_chat, prepare, resume_point, signature
 from retrograd.training.batches import LogprobOptions, batch_logprobs, epoch_plan, mean_loss, pack
 from retrograd.training.checkpoint import check_signature, step_name
-from retrograd.training.metrics import MetricsSink
+from retrograd.training.distributed import init_ranks
+from retrograd.training.metrics import MetricsSink, NullMetrics
 from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
 from retrograd.training.report import Reporter
 from retrograd.training.state import restore_state, save_state, track_evaluation
@@ -59,6 +61,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
         eval_examples = load_sft(cfg.evaluation.data, chat, ctx=t.ctx, data_format=cfg.sft.data_format).examples
         eval_examples = evenly_spaced(eval_examples, cfg.evaluation.max_examples)
     setup = prepare(cfg, reporter, chat)
+    ranks = init_ranks(setup.device)
     options = LogprobOptions.from_training(t, setup.model.spec.n_vocab)
     transformer = setup.model.transformer
     params = setup.adapter.parameters()
@@ -80,9 +83,12 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     reporter.message(f"sft: examples={len(examples)}, epochs={t.epochs}, steps_per_epoch={len(plans[0])}, steps={total_steps}")
     out_dir = cfg.output.path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=checkpoint is not None)
+    metrics = (MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=checkpoint is not None)
+               if ranks.is_main else NullMetrics())
 
-    def save(name: str) -> Path:
+    def save(name: str) -> Path | None:
+        if not ranks.is_main:  # rank 0 writes for all: every rank holds the same adapter and optimizer
+            return None
         path = save_state(setup, optimizer, progress, sig, name)
         reporter.checkpoint(path)
         return path
@@ -104,7 +110,8 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 micro_batches = [[examples[i] for i in mb] for mb in steps[k]]
                 n_trained = sum(e.n_trained for mb in micro_batches for e in mb)
                 step_loss, step_tokens = 0.0, 0
-                for j, mb in enumerate(micro_batches):
+                for j in ranks.share(micro_batches):  # every micro-batch on one rank; dealt out under torchrun
+                    mb = micro_batches[j]
                     t1 = time.perf_counter()
                     batch = pack(mb, setup.device)
                     loss = -batch_logprobs(transformer, batch, options).sum() / n_trained
@@ -115,6 +122,8 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                         f"step {step + 1} micro-batch {j + 1}/{len(micro_batches)}: {len(mb)} sequences, {batch.n_tokens} tokens "
                         f"({len(batch.targets)} trained), loss share {float(loss.detach()):.5f}, {time.perf_counter() - t1:.2f} s"
                     )
+                step_loss, step_tokens = ranks.sum_floats([step_loss, step_tokens])
+                ranks.sum_gradients(params)
                 if not math.isfinite(step_loss):
                     raise setup.diverged(
                         f"step {step + 1}: the loss is {step_loss} (not finite); stopped without updating the adapter — try a lower training.lr"
@@ -140,7 +149,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             progress.update(epoch=epoch + 1, step_in_epoch=0)
             last_epoch = epoch + 1 == t.epochs
             if eval_examples and ((epoch + 1) % cfg.evaluation.every_iterations == 0 or last_epoch):
-                eval_loss, _ = mean_loss(setup, eval_examples, options)
+                eval_loss = ranks.broadcast(mean_loss(setup, eval_examples, options)[0] if ranks.is_main else None)
                 metrics.log(progress["global_step"], {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50.0)), "train/epoch": epoch + 1})
                 stop = _after_eval(cfg, progress, eval_loss, epoch + 1, reporter, save)
                 reporter.row({"epoch": epoch + 1, "step": progress["global_step"], "train_loss": losses[-1] if losses else None, "eval_loss": eval_loss, "lr": None, "tok/s": None})
@@ -149,7 +158,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     finally:
         reporter.finish()
         metrics.close()
-    out = setup.write_output()
+    out = setup.write_output() if ranks.is_main else cfg.output.path
     return SFTResult(
         output=out,
         steps=progress["global_step"],
