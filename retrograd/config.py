@@ -273,6 +273,12 @@ class ObserveSection:
     max_text_chars: int = key(0, ge=0)
 
 
+@section
+class RolloutSection:
+    workers: tuple[str, ...] = key(())  # URLs of `retrograd rollout-worker` processes
+    local_workers: int = key(0, ge=0)  # worker processes the trainer starts on this machine
+
+
 SECTION_TYPES: dict[str, type] = {
     "run": RunSection,
     "model": ModelSection,
@@ -287,9 +293,11 @@ SECTION_TYPES: dict[str, type] = {
     "agent": AgentSection,
     "distill": DistillSection,
     "observe": ObserveSection,
+    "rollout": RolloutSection,
 }
 COMMON_SECTIONS = ("run", "model", "output", "lora", "training", "evaluation", "checkpoint", "metrics")
-ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe"), "agent_grpo": ("agent", "observe"), "distill": ("distill",)}
+ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe", "rollout"), "agent_grpo": ("agent", "observe"),
+                      "distill": ("distill", "rollout")}
 REQUIRED_SECTIONS = ("run", "output")
 DEFAULTED_SECTIONS = ("model", "lora", "training", "metrics")
 ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "generation_threads", "fast_sampling_context",
@@ -318,6 +326,7 @@ class Config:
     agent: AgentSection | None = None
     distill: DistillSection | None = None
     observe: ObserveSection | None = None
+    rollout: RolloutSection | None = None
     evaluation: EvaluationSection | None = None
     checkpoint: CheckpointSection | None = None
     explicit: frozenset[str] = frozenset()  # "section.key" names the file set
@@ -409,6 +418,14 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
         problems.append("training.checkpoint_dtype needs training.gradient_checkpointing = true")
     distill: DistillSection | None = s.get("distill")
     offline = distill is not None and distill.mode == "topk_offline"
+    rollout: RolloutSection | None = s.get("rollout")
+    if rollout is not None and rollout.workers and rollout.local_workers:
+        problems.append("[rollout]: workers and local_workers both given; list the workers or let the trainer start local ones")
+    if rollout is not None and offline and (rollout.workers or rollout.local_workers):
+        problems.append("[rollout] applies to rollout algorithms; distill mode 'topk_offline' samples nothing")
+    for url in rollout.workers if rollout is not None else ():
+        if not url.startswith(("http://", "https://")):
+            problems.append(f"rollout.workers: {url!r} is not an http:// URL")
     if offline and training.max_async_rollout:
         problems.append("training.max_async_rollout applies to rollout algorithms; distill mode 'topk_offline' samples nothing")
     if algorithm in ROLLOUT_EPOCH_KEYS and "training.epochs" in explicit:

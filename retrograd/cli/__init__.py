@@ -27,6 +27,7 @@ from retrograd.cli import merge as _merge  # noqa: F401  (registers merge)
 from retrograd.cli import model as _model  # noqa: F401  (registers inspect, preflight)
 from retrograd.cli import profile as _profile  # noqa: F401  (registers profile)
 from retrograd.cli import report as _report  # noqa: F401  (registers report)
+from retrograd.cli import rollout_worker as _rollout_worker  # noqa: F401  (registers rollout-worker)
 from retrograd.cli import serve as _serve  # noqa: F401  (registers serve)
 from retrograd.cli import train as _train  # noqa: F401  (registers train)
 

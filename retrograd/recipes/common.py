@@ -7,7 +7,8 @@ import dataclasses
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from retrograd.memory import rss_bytes
 from retrograd.model.base import BaseModel, load_model
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.preflight import off_device
-from retrograd.sampler import SamplerOptions
+from retrograd.sampler import Sampler, SamplerOptions
 from retrograd.training.checkpoint import Checkpoint, content_hash, file_fingerprint, latest_checkpoint, load_checkpoint
 from retrograd.training.report import Reporter
 
@@ -233,6 +234,26 @@ def resume_point(cfg: Config, resume: Path | bool | None, reporter: Reporter) ->
             raise DataError(f"--resume: no checkpoint to resume in {cfg.checkpoint.directory}")
         return found
     return load_checkpoint(Path(resume))
+
+
+@contextmanager
+def open_rollout_sampler(cfg: Config, model_path: Path, options: SamplerOptions) -> Iterator:
+    """What samples the rollouts: the in-process llama.cpp Sampler, or with [rollout] the
+    listed `retrograd rollout-worker`s (checked to hold this model and tokenizer) or
+    `local_workers` of them started here and stopped at the end."""
+    rollout = cfg.rollout
+    if rollout is None or not (rollout.workers or rollout.local_workers):
+        with Sampler(model_path, options) as sampler:
+            yield sampler
+        return
+    from retrograd.sampler.remote import connect, start_local_workers  # HTTP plumbing only when asked for
+
+    with ExitStack() as stack:
+        urls = rollout.workers
+        if rollout.local_workers:
+            threads = cfg.training.generation_threads
+            urls = stack.enter_context(start_local_workers(rollout.local_workers, model_path, options, threads)).urls
+        yield stack.enter_context(connect(urls, model_path, options))
 
 
 def rollout_sampler_options(cfg: Config, sequences_per_update: int, n_ctx: int | None = None) -> SamplerOptions:

@@ -35,7 +35,14 @@ from retrograd.memory import rss_bytes
 from retrograd.objectives.advantages import baseline_name, group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
-from retrograd.recipes.common import open_chat, prepare, resume_point, rollout_sampler_options, signature
+from retrograd.recipes.common import (
+    open_chat,
+    open_rollout_sampler,
+    prepare,
+    resume_point,
+    rollout_sampler_options,
+    signature,
+)
 from retrograd.rollouts.rewards import make_reward
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.training.report import Reporter
@@ -95,7 +102,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             eval_prompts = evenly_spaced(load_prompts(cfg.evaluation.data, chat, max_tokens=budget), cfg.evaluation.max_examples)
         setup = prepare(cfg, reporter, chat)
         t0, r0 = time.perf_counter(), rss_bytes()
-        with rank_sampler(setup.device, lambda: Sampler(setup.model.path, sampler_options(cfg))) as sampler:
+        with rank_sampler(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
             if sampler is not None:
                 reporter.message(f"sampler: llama.cpp on {sampler.placement.describe()}")
             init = setup.timings | {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}

@@ -504,6 +504,9 @@ class _Loop:
             "timing/waiting_for_adapter_seconds": c.get("waiting_for_adapter_seconds", 0.0),
             "rollouts/queued": c.get("queued_rollouts", 0), "rollouts/in_flight": c.get("in_flight_rollouts", 0),
             "rollouts/staleness": update - delivery.adapter_version}
+        workers = self.trainer.sampler
+        if hasattr(workers, "lost_workers"):  # rollout workers ([rollout]): run totals so far
+            metrics |= {"workers/lost": workers.lost_workers, "workers/requeued_groups": workers.requeued_groups}
         steps_before = self.policy.global_step
         result = None
         if plan.samples and plan.fail is None:

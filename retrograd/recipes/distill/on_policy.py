@@ -17,7 +17,7 @@ from retrograd.errors import ConfigError
 from retrograd.memory import rss_bytes
 from retrograd.objectives.distill import generalized_jsd, teacher_advantages
 from retrograd.objectives.policy import PolicyLossOptions, k3_kl
-from retrograd.recipes.common import open_chat, prepare, resume_point, rollout_sampler_options
+from retrograd.recipes.common import open_chat, open_rollout_sampler, prepare, resume_point, rollout_sampler_options
 from retrograd.recipes.distill.common import (
     apply_step,
     distill_signature,
@@ -39,6 +39,7 @@ from retrograd.training.rollout_loop import (
     TrainPlan,
     cut_text,
     make_policy,
+    rank_sampler,
     run_rollouts,
     warm_up,
 )
@@ -119,7 +120,7 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> RolloutResult:
     reporter.message(f"teacher {teacher_path.name} through {d.teacher_backend}")
     try:
         t0, r0 = time.perf_counter(), rss_bytes()
-        with Sampler(setup.model.path, sampler_options(cfg)) as sampler:
+        with rank_sampler(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
             init |= {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}
             loss_options = PolicyLossOptions(clip_range_low=d.clip_range_low, clip_range_high=d.clip_range_high)
             policy = make_policy(cfg, setup, loss_options, updates=d.updates, steps_per_update=d.distill_epochs,

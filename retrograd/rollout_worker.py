@@ -1,0 +1,189 @@
+"""A rollout worker: one Sampler behind HTTP (FastAPI), for retrograd.sampler.remote's client.
+
+GET /info          the model (path, file and tokenizer fingerprints), the sampler options,
+                   end-of-generation ids, placement, the adapter version last pushed, whether
+                   a call is running, the tokens sampled so far (answered while busy) and the
+                   adapter's folder in memory-backed storage
+POST /generate     {"requests": [{"prompt", "seeds", "max_new_tokens", "temperature", "top_p"}]}
+                   -> {"completions": [[{"tokens", "logprobs", "finish", "prefilled", "reused"}]],
+                       "adapter_version"}: every request of the call in one Sampler.generate
+                   (its continuous batching), the version the whole batch was sampled with
+POST /adapter      an npz of float32 `NAME.a` / `NAME.b` plus `alpha` and `version` (no tensors:
+                   the base model) -> the refresh timing and the version now live
+
+Calls take turns on the one Sampler (a lock). A refusal is 4xx with
+{"error": {"message": one line, "kind": the retrograd.errors class}}, never a traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import threading
+import zipfile
+from pathlib import Path
+from typing import Annotated
+
+import anyio
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+
+from retrograd.errors import RetrogradError
+from retrograd.gguf.adapter import LoRAWeights
+from retrograd.sampler import GroupRequest, Sampler, Sampling
+from retrograd.sampler.remote import completion_json, error_json, model_identity
+
+
+class GroupBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: Annotated[list[int], Field(min_length=1)]
+    seeds: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    max_new_tokens: Annotated[int, Field(ge=1)]
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+
+    def group(self) -> GroupRequest:
+        return GroupRequest(self.prompt, self.seeds, Sampling(self.max_new_tokens, self.temperature, self.top_p))
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    requests: list[GroupBody]
+
+
+class Refusal(Exception):
+    def __init__(self, status: int, message: str, kind: str = "DataError"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def create_app(sampler: Sampler, model_path: Path) -> FastAPI:
+    """The app over `sampler`; `app.state.lock` is held while the sampler works (the CLI
+    takes it before closing the sampler)."""
+    app = FastAPI(title="retrograd rollout worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.lock = lock = threading.Lock()
+    identity = model_identity(model_path)
+    options = sampler.options
+    threads = options.n_threads or len(os.sched_getaffinity(0))  # as the Sampler counts them
+    state = {"adapter_version": None}  # None: nothing pushed, the base model
+
+    @app.get("/info")
+    def info() -> dict:
+        return {
+            "model": str(model_path),
+            "model_fingerprint": identity.file,
+            "tokenizer_fingerprint": identity.tokenizer,
+            "n_ctx": options.n_ctx,
+            "n_seq_max": options.n_seq_max,
+            "kv_dtype": options.kv_dtype,
+            "threads": threads,
+            "eog_ids": sorted(sampler.eog_ids),
+            "placement": sampler.placement.describe(),
+            "adapter_version": state["adapter_version"],
+            "busy": lock.locked(),  # a call is using the sampler now
+            "sampled": sampler.stats.sampled,  # tokens sampled since the worker started
+            "adapter_folder": str(sampler.adapter.folder),  # left behind if the worker is SIGKILLed
+        }
+
+    @app.post("/generate")
+    async def generate(request: Request) -> dict:
+        try:
+            body = GenerateBody.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise Refusal(400, first_problem(e)) from None
+
+        def run():
+            with lock:
+                return sampler.generate([r.group() for r in body.requests]), state["adapter_version"]
+
+        try:
+            groups, version = await anyio.to_thread.run_sync(run)
+        except RetrogradError as e:
+            raise Refusal(400, str(e), type(e).__name__) from None
+        return {"completions": [[completion_json(c) for c in g] for g in groups], "adapter_version": version}
+
+    @app.post("/adapter")
+    async def adapter(request: Request) -> dict:
+        tensors, alpha, version = read_adapter_body(await request.body())
+
+        def refresh():
+            with lock:
+                timing = sampler.set_adapter(tensors or None, alpha=alpha)
+                state["adapter_version"] = version
+                return timing
+
+        try:
+            timing = await anyio.to_thread.run_sync(refresh)
+        except RetrogradError as e:
+            raise Refusal(400, str(e), type(e).__name__) from None
+        return {
+            "adapter_version": version,
+            "write_s": timing.write_s,
+            "init_s": timing.init_s,
+            "set_s": timing.set_s,
+            "total_s": timing.total_s,
+        }
+
+    @app.exception_handler(Refusal)
+    async def _refused(_: Request, e: Refusal) -> JSONResponse:
+        return JSONResponse(error_json(one_line(e.message), e.kind), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+        return JSONResponse(error_json(one_line(str(e.detail)), "DataError"), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_json(one_line(f"internal error: {type(e).__name__}: {e}"), "RetrogradError"), 500)
+
+    return app
+
+
+def read_adapter_body(body: bytes) -> tuple[dict[str, LoRAWeights], float, int]:
+    """The npz of POST /adapter -> (tensors by base weight name, alpha, version); shapes are
+    the Sampler's to check against the model."""
+    if not body.startswith(b"PK"):
+        raise Refusal(400, "the body is not an npz archive (np.savez)")
+    try:
+        with np.load(io.BytesIO(body), allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as e:
+        raise Refusal(400, f"the body is not an npz archive of plain arrays ({e})") from None
+    alpha, version = arrays.pop("alpha", None), arrays.pop("version", None)
+    if alpha is None or alpha.shape != () or alpha.dtype.kind not in "fi" or not math.isfinite(alpha):
+        raise Refusal(400, "alpha: expected one finite number")
+    if version is None or version.shape != () or version.dtype.kind not in "iu" or version < 0:
+        raise Refusal(400, "version: expected one integer >= 0")
+    names = sorted({key[:-2] for key in arrays if key.endswith((".a", ".b"))})
+    tensors = {}
+    for name in names:
+        a, b = arrays.pop(f"{name}.a", None), arrays.pop(f"{name}.b", None)
+        if a is None or b is None:
+            raise Refusal(400, f"{name}: expected both {name}.a and {name}.b")
+        if a.dtype != np.float32 or b.dtype != np.float32:
+            raise Refusal(400, f"{name}: tensors are {a.dtype} / {b.dtype}, float32 expected")
+        tensors[name] = LoRAWeights(a, b)
+    if arrays:
+        raise Refusal(
+            400, f"unexpected arrays {', '.join(sorted(arrays))[:200]} (expected NAME.a, NAME.b, alpha, version)"
+        )
+    return tensors, float(alpha), int(version)
+
+
+def first_problem(e: ValidationError) -> str:
+    """A pydantic error as one line: where in the body, and what."""
+    first = e.errors()[0]
+    if first["type"] == "json_invalid":
+        return "the body is not valid JSON"
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())[:1000] or "error"
