@@ -122,8 +122,10 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                         f"step {step + 1} micro-batch {j + 1}/{len(micro_batches)}: {len(mb)} sequences, {batch.n_tokens} tokens "
                         f"({len(batch.targets)} trained), loss share {float(loss.detach()):.5f}, {time.perf_counter() - t1:.2f} s"
                     )
+                t1 = time.perf_counter()
                 step_loss, step_tokens = ranks.sum_floats([step_loss, step_tokens])
                 ranks.sum_gradients(params)
+                all_reduce = {"timing/all_reduce_seconds": time.perf_counter() - t1} if ranks.spread else {}
                 if not math.isfinite(step_loss):
                     raise setup.diverged(
                         f"step {step + 1}: the loss is {step_loss} (not finite); stopped without updating the adapter — try a lower training.lr"
@@ -140,7 +142,8 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 metrics.log(step + 1, {
                     "train/loss": step_loss, "train/lr": lr, "train/tokens_per_second": tps,
                     "train/grad_norm": grad_norm, "train/epoch": epoch + 1, "system/rss_bytes": rss_bytes(),
-                })
+                    "timing/step_seconds": elapsed,
+                } | all_reduce)
                 reporter.advance(step + 1, f"loss={step_loss:.4f} lr={lr:.2e} tok/s={tps:.0f}")
                 if (step + 1) % row_every == 0 or step + 1 == total_steps:
                     reporter.row({"epoch": epoch + 1, "step": step + 1, "train_loss": step_loss, "eval_loss": None, "lr": lr, "tok/s": tps})
