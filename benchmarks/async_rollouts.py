@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import retrograd  # noqa: F401  (before torch: OMP_WAIT_POLICY)
+from retrograd.device import cpu_name
 from retrograd.profile import timeline_summary
 
 
@@ -59,7 +59,7 @@ def write_side(folder: Path, ahead: int, threads: int, updates: int) -> Path:
 def run_side(name: str, threads: int, updates: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = write_side(Path(tmp), SIDES[name], threads, updates)
-        res = subprocess.run([sys.executable, "-m", "retrograd", "train", str(config)], capture_output=True, text=True)
+        res = subprocess.run([sys.executable, "-m", "retrograd", "train", str(config)], capture_output=True, text=True, check=False)
         if res.returncode:
             sys.exit(f"{name}: retrograd train failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "out/metrics.jsonl").read_text().splitlines()]
@@ -77,13 +77,6 @@ def run_side(name: str, threads: int, updates: int) -> dict:
         "staleness_max": max(r["rollouts/staleness"] for r in rows),
         "timeline": timeline,
     }
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

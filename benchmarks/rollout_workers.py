@@ -25,12 +25,13 @@ from pathlib import Path
 
 import retrograd  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 from retrograd.bundled import default_model_path
+from retrograd.device import cpu_name
 from retrograd.gguf.adapter import read_adapter
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.sampler.remote import connect, start_local_workers
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from lora_files import random_adapter  # noqa: E402  (the tests' helper: a random adapter file)
+from lora_files import random_adapter
 
 
 def requests(groups: int, new_tokens: int) -> list[GroupRequest]:
@@ -46,13 +47,6 @@ def timed_generation(sampler, work: list[GroupRequest], repeats: int = 3) -> tup
         seconds = time.perf_counter() - start
         rates.append(sum(len(c.tokens) for group in out for c in group) / seconds)
     return statistics.median(rates), [[(c.tokens, c.logprobs) for c in group] for group in out]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:

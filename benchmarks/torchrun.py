@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from retrograd.device import cpu_name
+
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
@@ -60,17 +62,10 @@ def run_side(ranks: int, threads: int, steps: int) -> list[dict]:
         write_run(folder, threads, steps)
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
                     if ranks > 1 else [sys.executable])
-        res = subprocess.run([*launcher, "-m", "retrograd", "train", "run.toml"], cwd=folder, capture_output=True, text=True)
+        res = subprocess.run([*launcher, "-m", "retrograd", "train", "run.toml"], cwd=folder, capture_output=True, text=True, check=False)
         if res.returncode:
             sys.exit(f"{ranks} rank(s): retrograd train failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
         return [json.loads(line) for line in (folder / "out/metrics.jsonl").read_text().splitlines()]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:
