@@ -200,6 +200,8 @@ def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     """Everything that shapes the trajectory; a resume is refused when any of it differs."""
     cfg = setup.cfg
     training = {k: v for k, v in dataclasses.asdict(cfg.training).items() if k not in UNSIGNED_TRAINING_KEYS}
+    if not training["max_async_rollout"]:  # synchronous: signed as before the key existed, so older checkpoints resume
+        del training["max_async_rollout"]
     lora = dataclasses.asdict(cfg.lora) | {"init_adapter": content_hash(cfg.lora.init_adapter) if cfg.lora.init_adapter else None}
     sig = {
         "algorithm": cfg.run.algorithm,
