@@ -224,6 +224,7 @@ class AgentSection:
     baseline: str = key("mean", choices=("mean", "leave_one_out", "rloo"))
     scale_rewards: str = key("none", choices=("none", "group", "batch"))
     loss_normalization: str = key("budget", choices=("budget", "token", "sequence"))
+    tis_cap: float | None = key(None, ge=1)  # truncated importance sampling against llama.cpp's log-probs
     temperature: float = key(1.0, gt=0, le=10)
     top_p: float = key(1.0, gt=0, le=1)
     system_suffix: str = key("")
@@ -251,6 +252,7 @@ class DistillSection:
     clip_range_high: float = key(0.28, gt=0, lt=1)
     weight_clip: float = key(5.0, gt=0)
     kl_coefficient: float = key(0.0, ge=0)
+    tis_cap: float | None = key(None, ge=1)  # reverse_kl: truncated importance sampling against llama.cpp's log-probs
     mask_truncated: bool = key(False)
     prompt_order: str = key("sequential", choices=("sequential", "shuffled", "shuffle"))
     sampling: SamplingSection | None = key(None)
@@ -261,8 +263,8 @@ class DistillSection:
 
 
 ON_POLICY_ONLY = ("prompts", "updates", "prompts_per_update", "samples_per_prompt", "distill_epochs", "clip_range_low",
-                  "clip_range_high", "weight_clip", "kl_coefficient", "mask_truncated", "prompt_order", "sampling",
-                  "loss", "jsd_beta")
+                  "clip_range_high", "weight_clip", "kl_coefficient", "tis_cap", "mask_truncated", "prompt_order",
+                  "sampling", "loss", "jsd_beta")
 OFFLINE_ONLY = ("data", "sidecar", "offline_epochs")
 
 
@@ -465,6 +467,8 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             for k in ("topk", "jsd_beta"):
                 if f"distill.{k}" in explicit:
                     problems.append(f"distill.{k} applies to loss = 'jsd' (the reverse KL scores the sampled token only), not {distill.loss!r}")
+        if on_policy and distill.loss == "jsd" and distill.tis_cap is not None:
+            problems.append("distill.tis_cap applies to loss = 'reverse_kl' (a ratio objective), not 'jsd'")
         if on_policy and distill.sampling and distill.sampling.max_new_tokens >= training.ctx:
             problems.append(f"distill.sampling.max_new_tokens = {distill.sampling.max_new_tokens} leaves no room for a prompt in training.ctx = {training.ctx}")
         if on_policy and distill.sampling and distill.sampling.top_p < 1:

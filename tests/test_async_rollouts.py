@@ -146,3 +146,40 @@ def test_timeline_of_a_synchronous_run_names_the_larger_side(tmp_path, tiny_mode
     verdict = timeline_summary(tmp_path / "out/timeline.jsonl")[-1]
     assert "taking turns: max_async_rollout = 0" in verdict
     json.dumps(verdict)
+
+
+def test_on_policy_distillation_runs_ahead_with_truncated_importance_sampling(tmp_path, tiny_model):
+    """The teacher scores in the producer thread too; tis_cap weighs each token by how much
+    likelier the current adapter makes it than the adapter that sampled it."""
+    from test_distill import write_config as write_distill
+
+    from retrograd.recipes import distill
+
+    cfg = one_thread(write_distill(tmp_path, tiny_model("llama"), tiny_model("qwen2"), updates=3,
+                                   distill_keys="tis_cap = 2.0\ndistill_epochs = 2"))
+    cfg.write_text(cfg.read_text().replace("[distill]", "max_async_rollout = 1\ngeneration_threads = 1\n[distill]"))
+    result = distill.run(load_config(cfg), SilentReporter())
+    rows = [r for r in metrics(tmp_path / "out/metrics.jsonl") if "train/loss" in r]
+    assert result.updates_done == 3 and [r["rollouts/staleness"] for r in rows] == [0, 1, 1]
+    # sampled by an adapter one update old, so the weights are not all 1
+    assert all(0 < r["policy/tis_weight_mean"] for r in rows) and any(r["policy/tis_weight_mean"] != 1.0 for r in rows[1:])
+    assert (tmp_path / "out/timeline.jsonl").is_file()
+
+
+def test_agent_grpo_runs_ahead(tmp_path, tiny_model):
+    """Judge-only agentic GRPO (no sandbox): trajectories, the judge and the reward run in the
+    producer thread; the run ends like a synchronous one."""
+    from test_agent_grpo import JUDGED, write_run
+
+    from retrograd.recipes import agent_grpo
+
+    cfg = write_run(tmp_path, model=tiny_model("llama"), updates=3, scenarios_per_update=1, scenarios=(JUDGED,),
+                    environment="", agent="temperature = 0.7\ntis_cap = 2.0")
+    text = cfg.read_text().replace("[agent.environment]\n\n[agent.environment.tools]\ndefault = \"mini\"\n"
+                                   "[agent.environment.tools.toolset.mini]\ntools = [\"write_file\", \"submit\"]\n", "")
+    cfg.write_text(text.replace("threads = 2", 'threads = 1\ngeneration_threads = 1\nmax_async_rollout = 1\ncompute_dtype = "f32"'))
+    result = agent_grpo.run(load_config(cfg), SilentReporter())
+    rows = update_rows(tmp_path / "out/metrics.jsonl")
+    assert result.updates_done == 3 and [r["rollouts/staleness"] for r in rows] == [0, 1, 1]
+    spans, _ = read_timeline(tmp_path / "out/timeline.jsonl")
+    assert {("sampler", "generation"), ("sampler", "judge")} <= {(s["worker"], s["phase"]) for s in spans}

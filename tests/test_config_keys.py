@@ -46,6 +46,8 @@ def problem(doc: dict) -> str:
         (config("distill", ON_POLICY, training={"gradient_accumulation": 2}), "training.gradient_accumulation does not apply to distill"),
         (config("distill", ON_POLICY | {"topk": 8}), "distill.topk applies to loss = 'jsd'"),
         (config("distill", ON_POLICY | {"jsd_beta": 0.3}), "distill.jsd_beta applies to loss = 'jsd'"),
+        (config("distill", ON_POLICY | {"loss": "jsd", "tis_cap": 2.0}), "distill.tis_cap applies to loss = 'reverse_kl'"),
+        (config("distill", OFFLINE | {"tis_cap": 2.0}), "distill.tis_cap applies to mode = on_policy, not topk_offline"),
         (config("grpo", GRPO, training={"require_gpu_resident": True}, model={"device": "cpu"}),
          "training.require_gpu_resident = true with model.device = 'cpu'"),
     ],

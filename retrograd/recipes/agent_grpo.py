@@ -175,6 +175,7 @@ def train(cfg: Config, setup: Setup, sampler, task: AgentTask, reporter: Reporte
     a = cfg.agent
     loss_options = PolicyLossOptions(
         clip_range_low=a.clip_range_low, clip_range_high=a.clip_range_high, loss_normalization=a.loss_normalization,
+        tis_cap=a.tis_cap,
     )
     policy = make_policy(cfg, setup, loss_options, updates=a.updates, steps_per_update=a.epochs_per_update * a.minibatches,
                          temperature=a.temperature, reporter=reporter)
@@ -187,7 +188,8 @@ def train(cfg: Config, setup: Setup, sampler, task: AgentTask, reporter: Reporte
 def _signature(cfg: Config, setup: Setup, task: AgentTask) -> dict:
     """common.signature plus what only this recipe has: [agent] and the tool definitions."""
     data = {"agent.scenarios": cfg.agent.scenarios} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
-    agent = {k: v for k, v in dataclasses.asdict(cfg.agent).items() if k != "scenarios"}
+    agent = {k: v for k, v in dataclasses.asdict(cfg.agent).items()
+             if k != "scenarios" and not (k == "tis_cap" and v is None)}  # unset: signed as before the key existed
     tools = task.catalog.signature() if task.catalog else None
     return json.loads(json.dumps(signature(setup, data) | {"agent": agent, "tools": tools}, default=str))
 

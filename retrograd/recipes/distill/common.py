@@ -98,7 +98,8 @@ def distill_signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     unsigned = ("teacher_path", "prompts", "data", "sidecar") + (
         ("teacher_backend",) if d.mode == "topk_offline" else ()
     )
-    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in unsigned}
+    settings = {k: v for k, v in dataclasses.asdict(d).items()
+                if k not in unsigned and not (k == "tis_cap" and v is None)}  # unset: signed as before the key existed
     extra = {
         "distill": settings,
         "distill.teacher": file_fingerprint(d.teacher_path) if d.teacher_path.is_file() else None,

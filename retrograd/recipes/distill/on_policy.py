@@ -122,7 +122,8 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> RolloutResult:
         t0, r0 = time.perf_counter(), rss_bytes()
         with rank_sampler(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
             init |= {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}
-            loss_options = PolicyLossOptions(clip_range_low=d.clip_range_low, clip_range_high=d.clip_range_high)
+            loss_options = PolicyLossOptions(clip_range_low=d.clip_range_low, clip_range_high=d.clip_range_high,
+                                             tis_cap=d.tis_cap)
             policy = make_policy(cfg, setup, loss_options, updates=d.updates, steps_per_update=d.distill_epochs,
                                  temperature=d.sampling.temperature, reporter=reporter)
             rollouts = OnPolicyRollouts(cfg, sampler, teacher, policy, (prompts, teacher_prompts),
