@@ -125,3 +125,21 @@ def test_grpo_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
     for x, y in zip(one_rollouts, two_rollouts):
         assert x["completion_ids"] == y["completion_ids"]
         assert all(close(p, q) for p, q in zip(x["policy_logprobs"], y["policy_logprobs"]))
+
+
+def test_on_policy_distillation_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
+    """Rank 0 alone holds the sampler and the teacher; the teacher's scores travel with the batch."""
+    from test_distill import write_config as write_distill
+
+    for name in ("one", "two"):
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = write_distill(folder, tiny_model("llama"), tiny_model("qwen2"), updates=1, distill_keys="distill_epochs = 2")
+        cfg.write_text(cfg.read_text().replace("threads = 2", "threads = 1").replace("micro_batch = 256", "micro_batch = 60"))
+        cfg.rename(folder / "run.toml")
+    train(tmp_path / "one", 1)
+    train(tmp_path / "two", 2)
+    (a,), (b,) = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert a["distill/teacher_kl_mean"] == b["distill/teacher_kl_mean"]  # the same completions, scored once by rank 0
+    for key in ("train/loss", "policy/ratio_min", "policy/ratio_max"):
+        assert close(a[key], b[key]), (key, a[key], b[key])

@@ -55,7 +55,7 @@ from retrograd.training.rollout_loop import (
     TrainPlan,
     cut_text,
     make_policy,
-    rank_sampler,
+    on_rank_zero,
     reward_evaluation,
     run_rollouts,
     warm_up,
@@ -102,7 +102,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             eval_prompts = evenly_spaced(load_prompts(cfg.evaluation.data, chat, max_tokens=budget), cfg.evaluation.max_examples)
         setup = prepare(cfg, reporter, chat)
         t0, r0 = time.perf_counter(), rss_bytes()
-        with rank_sampler(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
+        with on_rank_zero(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
             if sampler is not None:
                 reporter.message(f"sampler: llama.cpp on {sampler.placement.describe()}")
             init = setup.timings | {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}

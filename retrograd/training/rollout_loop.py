@@ -185,10 +185,11 @@ def make_policy(cfg, setup, loss_options, *, updates: int, steps_per_update: int
     return policy
 
 
-def rank_sampler(device, open_sampler: Callable):
-    """The rollout sampler on rank 0 (`open_sampler()`, a context manager); None on the other
-    torchrun ranks, which train on rank 0's rollouts."""
-    return open_sampler() if init_ranks(device).is_main else nullcontext(None)
+def on_rank_zero(device, opener: Callable):
+    """What only the sampling side needs (the rollout sampler, a teacher): `opener()`, a
+    context manager, on rank 0; None on the other torchrun ranks, which train on the
+    batches rank 0 broadcasts."""
+    return opener() if init_ranks(device).is_main else nullcontext(None)
 
 
 def warm_up(setup) -> dict:

@@ -6,6 +6,7 @@ and `train`; see the package docstring)."""
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -39,7 +40,7 @@ from retrograd.training.rollout_loop import (
     TrainPlan,
     cut_text,
     make_policy,
-    rank_sampler,
+    on_rank_zero,
     run_rollouts,
     warm_up,
 )
@@ -110,17 +111,13 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> RolloutResult:
         eval_teacher = evenly_spaced(load_prompts(ev.data, t_chat, max_tokens=budget), ev.max_examples)
     setup = prepare(cfg, reporter, chat)
     t0, r0 = time.perf_counter(), rss_bytes()
-    teacher = open_teacher(
-        teacher_path,
-        d.teacher_backend,
-        teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt, setup.model.spec.n_vocab,
-                        temperature=d.sampling.temperature),
-    )
-    init = setup.timings | {f"teacher ({d.teacher_backend})": (time.perf_counter() - t0, rss_bytes() - r0)}
-    reporter.message(f"teacher {teacher_path.name} through {d.teacher_backend}")
-    try:
+    options = teacher_options(cfg, setup.device, setup.precision, d.samples_per_prompt, setup.model.spec.n_vocab,
+                              temperature=d.sampling.temperature)
+    with on_rank_zero(setup.device, lambda: closing(open_teacher(teacher_path, d.teacher_backend, options))) as teacher:
+        init = setup.timings | {f"teacher ({d.teacher_backend})": (time.perf_counter() - t0, rss_bytes() - r0)}
+        reporter.message(f"teacher {teacher_path.name} through {d.teacher_backend}")
         t0, r0 = time.perf_counter(), rss_bytes()
-        with rank_sampler(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
+        with on_rank_zero(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
             init |= {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}
             loss_options = PolicyLossOptions(clip_range_low=d.clip_range_low, clip_range_high=d.clip_range_high,
                                              tis_cap=d.tis_cap)
@@ -133,8 +130,6 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> RolloutResult:
             trainer = Trainer(setup, sampler, policy, reporter, distill_signature(setup, data_files),
                               init | warm_up(setup), baseline_rss)
             return run_rollouts(cfg, rollouts.recipe(), trainer, resume_point(cfg, resume, reporter))
-    finally:
-        teacher.close()
 
 
 class OnPolicyRollouts:
