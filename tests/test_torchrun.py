@@ -143,3 +143,23 @@ def test_on_policy_distillation_on_two_ranks_takes_the_one_rank_update(tmp_path,
     assert a["distill/teacher_kl_mean"] == b["distill/teacher_kl_mean"]  # the same completions, scored once by rank 0
     for key in ("train/loss", "policy/ratio_min", "policy/ratio_max"):
         assert close(a[key], b[key]), (key, a[key], b[key])
+
+
+def test_agent_grpo_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
+    """Judge-only agentic GRPO: rank 0 collects and judges the trajectories, both ranks train."""
+    from test_agent_grpo import JUDGED, write_run
+
+    for name in ("one", "two"):
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = write_run(folder, model=tiny_model("llama"), updates=1, scenarios_per_update=2, scenarios=(JUDGED,),
+                        environment="", agent="temperature = 0.7")
+        text = cfg.read_text().replace("[agent.environment]\n\n[agent.environment.tools]\ndefault = \"mini\"\n"
+                                       "[agent.environment.tools.toolset.mini]\ntools = [\"write_file\", \"submit\"]\n", "")
+        cfg.write_text(text.replace("threads = 2", 'threads = 1\ncompute_dtype = "f32"'))
+        cfg.rename(folder / "run.toml")
+    train(tmp_path / "one", 1)
+    train(tmp_path / "two", 2)
+    (a,), (b,) = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert a["reward/mean"] == b["reward/mean"] and a["train/steps"] == b["train/steps"] >= 1
+    assert close(a["policy/total_loss"], b["policy/total_loss"]), (a["policy/total_loss"], b["policy/total_loss"])

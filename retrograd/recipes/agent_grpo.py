@@ -65,6 +65,7 @@ from retrograd.training.rollout_loop import (
     TrainPlan,
     cut_text,
     make_policy,
+    on_rank_zero,
     reward_evaluation,
     run_rollouts,
     warm_up,
@@ -161,8 +162,9 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
         options = sampler_options(cfg)
         setup.model.transformer.use_context(options.n_ctx)  # phi3's RoPE factors as the sampler's context picks them
         t0, r0 = time.perf_counter(), rss_bytes()
-        with Sampler(setup.model.path, options) as sampler:
-            reporter.message(f"sampler: llama.cpp on {sampler.placement.describe()}")
+        with on_rank_zero(setup.device, lambda: Sampler(setup.model.path, options)) as sampler:
+            if sampler is not None:  # None: a torchrun rank that only trains
+                reporter.message(f"sampler: llama.cpp on {sampler.placement.describe()}")
             init = setup.timings | {"llama.cpp sampler": (time.perf_counter() - t0, rss_bytes() - r0)}
             return train(cfg, setup, sampler, task, reporter, resume=resume, init_timing=init, baseline_rss=baseline_rss)
     finally:
