@@ -39,6 +39,8 @@ PHASE_LABELS = {  # every phase a rollout recipe times, in report order; each re
     "reference": "reference KL (adapter off)",
     "optimizer": "optimizer (fwd + bwd + step)",
     "adapter_refresh": "adapter refresh",
+    "adapter_push": "adapter copy for the sampler (async)",
+    "waiting_for_batch": "trainer waiting for a batch (async)",
 }
 
 
@@ -198,15 +200,18 @@ def report(cfg: Config, result: RolloutResult) -> list[str]:
     for name, (seconds, rss) in result.init_timing.items():
         out.append(f"  {name:<38} {seconds:7.2f} s {rss / 2**20:8.1f} MiB")
 
-    phases = {k: sum(r.timing[k] for r in records) for k in recipe.module.PHASES}
+    seen = set(recipe.module.PHASES) | {k for r in records for k in r.timing}
+    phases = {k: sum(r.timing.get(k, 0.0) for r in records) for k in PHASE_LABELS if k in seen}
     total = sum(r.metrics.get("timing/update_seconds", 0.0) for r in records)
     phases_sum = sum(phases.values())
     out += ["", "Phase (all updates)                         time     share"]
-    for key, label in PHASE_LABELS.items():
-        if key in phases:
-            out.append(_phase_line(label, phases[key], total))
+    for key, seconds in phases.items():
+        out.append(_phase_line(PHASE_LABELS[key], seconds, total))
     out.append(_phase_line("other (prep, tokenization, overhead)", max(total - phases_sum, 0.0), total))
     out.append(f"  {'TOTAL training':<38} {total:7.2f} s")
+    if t.max_async_rollout:
+        out.append(f"  (max_async_rollout = {t.max_async_rollout}: the sampler's phases ran beside the trainer's, "
+                   "so the shares add up past 100%)")
     if "agent/turns_per_traj_mean" in records[0].metrics:
         out += _rollout_lines(records)
 
