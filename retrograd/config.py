@@ -426,8 +426,11 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
     if rollout is not None and offline and (rollout.workers or rollout.local_workers):
         problems.append("[rollout] applies to rollout algorithms; distill mode 'topk_offline' samples nothing")
     for url in rollout.workers if rollout is not None else ():
-        if not url.startswith(("http://", "https://")):
+        if not url.startswith("http://"):
             problems.append(f"rollout.workers: {url!r} is not an http:// URL")
+    if training.max_async_rollout and training.max_gpu_duty_cycle < 1:
+        problems.append("training.max_gpu_duty_cycle < 1 with max_async_rollout > 0: the duty cycle paces one side at a "
+                        "time; keep one of them")
     if offline and training.max_async_rollout:
         problems.append("training.max_async_rollout applies to rollout algorithms; distill mode 'topk_offline' samples nothing")
     if algorithm in ROLLOUT_EPOCH_KEYS and "training.epochs" in explicit:

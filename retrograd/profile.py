@@ -143,7 +143,7 @@ def timeline_summary(path: Path) -> list[str]:
     spans, counters = read_timeline(path)
     if not spans:
         return [f"timeline {path}: no spans (the run did not finish an update)"]
-    wall = max(s["end"] for s in spans) - min(s["start"] for s in spans)
+    wall = max(max(s["end"] for s in spans) - min(s["start"] for s in spans), 1e-9)
     busy = {"sampler": 0.0, "trainer": 0.0}
     for s in spans:
         side = "sampler" if s["phase"] in PRODUCTION_PHASES or s["phase"] == "adapter_refresh" else "trainer"

@@ -183,3 +183,40 @@ def test_agent_grpo_runs_ahead(tmp_path, tiny_model):
     assert result.updates_done == 3 and [r["rollouts/staleness"] for r in rows] == [0, 1, 1]
     spans, _ = read_timeline(tmp_path / "out/timeline.jsonl")
     assert {("sampler", "generation"), ("sampler", "judge")} <= {(s["worker"], s["phase"]) for s in spans}
+
+
+@pytest.mark.parametrize("lines,needle", [
+    (['{"update": 1, "phase": "generation", "start": 0, "end": 1}'], ":1: not a timeline.jsonl line"),
+    (['{"update": 1, "counters": {"queued_rollouts": "x"}}'], ":1: not a timeline.jsonl line"),
+    (['{"event": "start"}', "[1, 2]"], ":2: not a timeline.jsonl line"),
+    (["not json"], ":1: not a timeline.jsonl line"),
+])
+def test_a_damaged_timeline_is_one_line(tmp_path, lines, needle):
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    r = subprocess.run([*RETROGRAD, "profile", "--timeline", str(path)], capture_output=True, text=True, timeout=120, check=False)
+    one_line_error(r, needle)
+
+
+def test_a_timeline_of_instant_spans_summarises(tmp_path):
+    path = tmp_path / "timeline.jsonl"
+    path.write_text('{"event": "start"}\n{"update": 1, "worker": "trainer", "phase": "optimizer", "start": 2, "end": 2}\n')
+    lines = timeline_summary(path)
+    assert lines[0].startswith("Timeline (timeline.jsonl, 0 updates") and "bottleneck" in lines[-1]
+
+
+def test_updates_that_train_nothing_do_not_stall_the_producer(tmp_path, tiny_model):
+    """Equal rewards: every group is dead, no adapter is pushed, and the producer must still
+    go on (it once waited for an adapter that never came)."""
+    (tmp_path / "flat.py").write_text("def reward(prompts, completions):\n    return [0.5] * len(completions)\n")
+    result = run_grpo(tmp_path, tiny_model("llama"), ahead=1, updates=4,
+                      reward=f'reward_function = "{tmp_path / "flat.py"}:reward"')
+    rows = update_rows(tmp_path / "out/metrics.jsonl")
+    assert result.updates_done == 4 and result.steps == 0
+    assert [r["rollouts/staleness"] for r in rows] == [0, 1, 1, 1]
+
+
+def test_a_duty_cycle_with_async_rollouts_is_refused(tmp_path, tiny_model):
+    cfg = write_config(tmp_path, tiny_model("llama"), training="max_async_rollout = 1\nmax_gpu_duty_cycle = 0.5")
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    one_line_error(r, "training.max_gpu_duty_cycle < 1 with max_async_rollout > 0")

@@ -39,7 +39,7 @@ def train(
 
     resume_arg = resume_choice(resume, resume_from, ctx.args)
     cfg = load_config(config).with_overrides(model=model, device=device)
-    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun rank 0 reports for every rank
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0:  # rank 0 reports for all
         RECIPES[cfg.run.algorithm](cfg, SilentReporter(), resume=resume_arg)
         return
     reporter = ReportingConsole(cfg)

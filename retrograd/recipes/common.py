@@ -31,6 +31,7 @@ from retrograd.model.tokenizer import Tokenizer
 from retrograd.preflight import off_device
 from retrograd.sampler import Sampler, SamplerOptions
 from retrograd.training.checkpoint import Checkpoint, content_hash, file_fingerprint, latest_checkpoint, load_checkpoint
+from retrograd.training.distributed import rank_device
 from retrograd.training.report import Reporter
 
 # settings that never change what is computed, left out of the resume signature
@@ -139,7 +140,7 @@ def load_base(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Base:
     t = cfg.training
     if t.threads:
         torch.set_num_threads(t.threads)
-    device = resolve_device(cfg.model.device)
+    device = rank_device(resolve_device(cfg.model.device))
     for note in cfg.notes:
         reporter.message(f"note: {note}")
     if t.require_gpu_resident:

@@ -8,22 +8,29 @@ step. So every rank takes the same step, and the step equals the one-rank step u
 order of a float sum. Rank 0 alone writes checkpoints, the adapter, metrics and reports, and
 (rollout algorithms) samples the rollouts that every rank then trains on.
 
-Backends: gloo on the CPU, NCCL on CUDA GPUs (one GPU per rank: LOCAL_RANK).
+Backends: gloo on the CPU, NCCL on CUDA GPUs (one GPU per rank: LOCAL_RANK; not yet run on
+GPUs). The micro-batches of distillation's JSD loss are not dealt out (every rank computes
+them all; the step is the same), and offline distillation refuses to run under torchrun.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(hours=12)  # ranks wait at a broadcast while rank 0 samples a whole update;
+# torchrun ends the group when a rank dies, so a long wait is never a silent hang
 
 
 @dataclass(frozen=True)
 class Ranks:
     rank: int = 0
     world: int = 1
+    device: str = "cpu"  # where collective tensors live: the rank's GPU under NCCL
 
     @property
     def is_main(self) -> bool:
@@ -54,9 +61,9 @@ class Ranks:
         """Float64 sums across ranks of a few numbers (losses, token counts)."""
         if not self.spread:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
+        return t.cpu().tolist()
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""
@@ -75,15 +82,21 @@ class Ranks:
         return box[0]
 
 
+def rank_device(device: torch.device) -> torch.device:
+    """Under torchrun each rank trains on the GPU of its LOCAL_RANK (cuda:0 otherwise)."""
+    if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return device
+
+
 def init_ranks(device: torch.device | None = None) -> Ranks:
     """The process group torchrun describes in the environment (WORLD_SIZE, RANK, …), or one
     rank when run plainly."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Ranks()
+    nccl = device is not None and device.type == "cuda"
     if not dist.is_initialized():
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
-    return Ranks(dist.get_rank(), dist.get_world_size())
+        dist.init_process_group(backend="nccl" if nccl else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    return Ranks(dist.get_rank(), dist.get_world_size(), str(device) if nccl else "cpu")

@@ -316,8 +316,10 @@ class _Loop:
             if recipe.settle is not None:
                 plan = replace(plan, state=recipe.settle(plan.state, metrics))
             metrics |= self.source.push(self.setup.adapter, update + 1, clock)
-        elif plan.note and plan.fail is None:
-            self.reporter.message(f"update {update + 1}: {plan.note}")
+        elif plan.fail is None:
+            self.source.unchanged(update + 1)  # the adapter after this update is the one before it
+            if plan.note:
+                self.reporter.message(f"update {update + 1}: {plan.note}")
         metrics["policy/beta"] = plan.beta
         steps = self.policy.global_step - steps_before
         metrics["train/steps"] = steps

@@ -6,13 +6,16 @@ update, takes each new adapter (`push`) and runs held-out evaluations where the 
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from retrograd.gguf.adapter import adapter_tensors
+from retrograd.errors import RetrogradError
+from retrograd.gguf.adapter import LoRAWeights, adapter_tensors
 from retrograd.training.distributed import Ranks
 from retrograd.training.timeline import PhaseClock, Timeline
 
@@ -50,6 +53,9 @@ class SyncSource:
         clock["adapter_refresh"] = clock.get("adapter_refresh", 0.0) + produced["adapter_refresh"]
         return {"sampler/adapter_refresh_seconds": refresh.total_s}
 
+    def unchanged(self, version: int) -> None:
+        pass  # the sampler holds the adapter already
+
     def call(self, work: Callable):
         return work()
 
@@ -71,7 +77,7 @@ class AsyncSource:
         self._cond = threading.Condition()
         self._ready: dict[int, Delivery] = {}
         self._pushed = start  # updates trained into the newest adapter the trainer handed over
-        self._pending = None  # (tensors, alpha, version) not yet applied
+        self._pending = None  # (tensors, alpha, version) not yet applied; tensors None: the held ones
         self._applied = start  # updates trained into the adapter the sampler holds
         self._tasks: list[tuple[Callable, list]] = []
         self._producing: int | None = None
@@ -101,12 +107,20 @@ class AsyncSource:
 
     def push(self, adapter, version: int, clock: PhaseClock) -> dict:
         """A copy of the adapter after `version` updates, for the producer's next batch."""
-        with clock.phase("adapter_push"):
-            tensors = adapter_tensors(adapter)
+        with clock.phase("adapter_push"):  # a copy: on the CPU the numpy arrays would share the live weights
+            tensors = {name: LoRAWeights(w.a.copy(), w.b.copy()) for name, w in adapter_tensors(adapter).items()}
         with self._cond:
             self._pending, self._pushed = (tensors, float(adapter.alpha), version), version
             self._cond.notify_all()
         return {}
+
+    def unchanged(self, version: int) -> None:
+        """An update trained nothing: the adapter of `version` is the one already handed over,
+        and the producer may go on as if it had been pushed."""
+        with self._cond:
+            tensors, alpha = self._pending[:2] if self._pending is not None else (None, None)
+            self._pending, self._pushed = (tensors, alpha, version), version  # tensors None: nothing to load
+            self._cond.notify_all()
 
     def call(self, work: Callable):
         """Run `work` in the producer thread between batches, with the newest adapter."""
@@ -123,10 +137,16 @@ class AsyncSource:
         return value
 
     def close(self) -> None:
+        """Stop the producer after the batch it is sampling (llama.cpp cannot be cut off
+        mid-call, and the sampler must outlive it); a second Ctrl-C quits at once."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
+        try:
+            self._thread.join()
+        except KeyboardInterrupt:
+            print("interrupted again while the rollout producer finished its batch: quitting at once", file=sys.stderr)
+            os._exit(130)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -191,9 +211,11 @@ class AsyncSource:
         if pending is None:
             return {}
         tensors, alpha, version = pending
+        self._applied = version
+        if tensors is None:  # updates that trained nothing: the sampler holds this adapter already
+            return {}
         with clock.phase("adapter_refresh"):
             refresh = self.sampler.set_adapter(tensors, alpha=alpha)
-        self._applied = version
         return {"sampler/adapter_refresh_seconds": refresh.total_s}
 
 
@@ -205,14 +227,32 @@ class RankSource:
         self.inner, self.ranks = inner, ranks  # inner: None on ranks other than 0
 
     def next(self, update: int, cursor: int, clock: PhaseClock) -> Delivery:
-        delivery = self.inner.next(update, cursor, clock) if self.inner is not None else None
-        return self.ranks.broadcast(delivery)
+        return self._shared(lambda: self.inner.next(update, cursor, clock))
 
     def push(self, adapter, version: int, clock: PhaseClock) -> dict:
         return self.inner.push(adapter, version, clock) if self.inner is not None else {}
 
+    def unchanged(self, version: int) -> None:
+        if self.inner is not None:
+            self.inner.unchanged(version)
+
     def call(self, work: Callable):
-        return self.ranks.broadcast(self.inner.call(work) if self.inner is not None else None)
+        return self._shared(lambda: self.inner.call(work))
+
+    def _shared(self, work: Callable):
+        """Rank 0's result on every rank; when rank 0 fails, every rank stops with its message
+        instead of waiting at the broadcast."""
+        outcome = None
+        if self.inner is not None:
+            try:
+                outcome = (True, work())
+            except BaseException as error:
+                self.ranks.broadcast((False, f"{type(error).__name__}: {error}"))
+                raise
+        ok, value = self.ranks.broadcast(outcome)
+        if not ok:
+            raise RetrogradError(f"rank 0 stopped ({value})")
+        return value
 
     def close(self) -> None:
         if self.inner is not None:

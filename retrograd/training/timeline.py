@@ -110,11 +110,13 @@ def read_timeline(path: Path) -> tuple[list[dict], dict[int, dict]]:
             if record.get("event") == "start":
                 offset = end
             elif "phase" in record:
+                if not (isinstance(record["worker"], str) and isinstance(record["phase"], str)):
+                    raise TypeError
                 span = record | {"start": float(record["start"]) + offset, "end": float(record["end"]) + offset}
                 spans.append(span)
                 end = max(end, span["end"])
             elif "counters" in record:
-                counters[int(record["update"])] = dict(record["counters"])
+                counters[int(record["update"])] = {k: float(v) for k, v in dict(record["counters"]).items()}
         except (ValueError, TypeError, KeyError, AttributeError):
             raise DataError(f"{path}:{number}: not a timeline.jsonl line (expected a JSON object with a start event, "
                             "a phase span or counters)") from None

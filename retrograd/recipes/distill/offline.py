@@ -5,6 +5,7 @@ teacher (see the package docstring)."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -164,6 +165,8 @@ def write_teacher_topk(cfg: Config, reporter: Reporter, options: TopkOptions = T
 
 def run_offline(cfg: Config, reporter: Reporter, resume) -> DistillResult:
     d, t = cfg.distill, cfg.training
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("distill mode 'topk_offline' does not run under torchrun yet: run it as one process")
     baseline_rss = rss_bytes()
     chat = open_chat(cfg)
     examples = load_sft(d.data, chat, ctx=t.ctx).examples
