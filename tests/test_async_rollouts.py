@@ -104,7 +104,7 @@ def test_an_error_in_the_producer_stops_the_run_on_one_line(tmp_path, tiny_model
     (tmp_path / "bad.py").write_text("def reward(prompts, completions):\n    return [0.0] * (len(completions) - 1)\n")
     cfg = one_thread(write_config(tmp_path, tiny_model("llama"), training="max_async_rollout = 1",
                                   reward=f'reward_function = "{tmp_path / "bad.py"}:reward"'))
-    r = subprocess.run([*RETROGRAD, "train", str(cfg)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     one_line_error(r, "bad.py")
 
 
@@ -114,11 +114,11 @@ def test_resume_under_async_restarts_the_producer_and_says_so(tmp_path, tiny_mod
     one_thread(write_config(tmp_path, tiny_model("llama"), updates=3, reward_name="length",
                             training='compute_dtype = "f32"\nmax_async_rollout = 1',
                             extra='[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 1'))
-    first = subprocess.run([*RETROGRAD, "train", "grpo.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    first = subprocess.run([*RETROGRAD, "train", "grpo.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert first.returncode == 0, first.stderr
     assert [r["rollouts/staleness"] for r in update_rows(tmp_path / "out/metrics.jsonl")] == [0, 1, 1]
     r = subprocess.run([*RETROGRAD, "train", "grpo.toml", "--resume-from", "ckpt/step-000000000002.state"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr
     assert "max_async_rollout = 1: sampling restarts at update 3 with the checkpointed adapter" in r.stdout + r.stderr
     rows = update_rows(tmp_path / "out/metrics.jsonl")
@@ -134,7 +134,7 @@ def test_max_async_rollout_where_nothing_is_sampled_is_refused(tmp_path, algorit
     section = ('[run]\nalgorithm = "sft"\n[sft]\ndata = "d.jsonl"\n' if algorithm == "sft" else
                '[run]\nalgorithm = "distill"\n[distill]\nmode = "topk_offline"\nteacher_path = "t.gguf"\ndata = "d.jsonl"\n')
     (tmp_path / "run.toml").write_text(section + '[output]\npath = "out/a.gguf"\n[training]\nmax_async_rollout = 1\n')
-    r = subprocess.run([*RETROGRAD, "train", "run.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*RETROGRAD, "train", "run.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     one_line_error(r, needle)
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_grpo import write_config
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -87,6 +88,7 @@ def test_sft_on_two_ranks_takes_the_one_rank_steps(tmp_path, tiny_model):
     assert (tmp_path / "two/out/adapter.gguf").is_file()
 
 
+@pytest.mark.slow  # ~19 s: the default suite keeps SFT and GRPO on two ranks
 def test_sft_resumes_under_torchrun(tmp_path, tiny_model):
     sft_config(tmp_path, tiny_model("llama"))
     train(tmp_path, 2)
@@ -127,6 +129,7 @@ def test_grpo_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
         assert all(close(p, q) for p, q in zip(x["policy_logprobs"], y["policy_logprobs"]))
 
 
+@pytest.mark.slow  # ~19 s: the default suite keeps SFT and GRPO on two ranks
 def test_on_policy_distillation_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
     """Rank 0 alone holds the sampler and the teacher; the teacher's scores travel with the batch."""
     from test_distill import write_config as write_distill
@@ -145,6 +148,7 @@ def test_on_policy_distillation_on_two_ranks_takes_the_one_rank_update(tmp_path,
         assert close(a[key], b[key]), (key, a[key], b[key])
 
 
+@pytest.mark.slow  # ~19 s: the default suite keeps SFT and GRPO on two ranks
 def test_agent_grpo_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
     """Judge-only agentic GRPO: rank 0 collects and judges the trajectories, both ranks train."""
     from test_agent_grpo import JUDGED, write_run
