@@ -9,9 +9,10 @@ completions (prompts of 70 tokens sharing their start), --new-tokens new tokens 
 temperature 1. Sides: the in-process Sampler with --threads threads, and 2 local
 `retrograd rollout-worker` processes with --threads / 2 each, the groups spread across them.
 Figures: sampled tokens per second over 3 repeats (the median), whether the completions are
-bit-identical, and the adapter push: the median of 5 pushes, the whole push (npz encoding and
-the concurrent uploads) and each worker's round trip, beside the in-process refresh. The
-issue's goal: a push of at most 50 ms per worker. State the CPU with any figure.
+bit-identical, and the adapter push: the median of 5 pushes, the whole push (encoding the tensors
+as one body, a JSON header and one float32 blob, and the concurrent uploads) and each worker's
+round trip, beside the in-process refresh. The issue's goal: a push of at most 50 ms per worker.
+State the CPU with any figure.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ def main() -> None:
     print(f"{'2 workers, ' + str(split) + ' thread(s) each':28} {remote_rate:9.1f} {remote_rate / local_rate:6.2f}")
     print(f"completions bit-identical: {local_out == remote_out}\n")
     print(f"adapter push (median of 5): whole push {statistics.median(p.total_s for p in pushes) * 1e3:.0f} ms "
-          f"(npz encoding {statistics.median(p.encode_s for p in pushes) * 1e3:.0f} ms); in-process refresh "
+          f"(encoding {statistics.median(p.encode_s for p in pushes) * 1e3:.0f} ms); in-process refresh "
           f"{statistics.median(local_pushes) * 1e3:.0f} ms")
-    for url in per_worker:
-        print(f"  {url}: round trip {per_worker[url] * 1e3:.0f} ms, of which its refresh {refresh[url] * 1e3:.0f} ms "
+    for url, round_trip in per_worker.items():
+        print(f"  {url}: round trip {round_trip * 1e3:.0f} ms, of which its refresh {refresh[url] * 1e3:.0f} ms "
               f"(goal <= 50 ms per worker)")
 
 

@@ -8,8 +8,9 @@ POST /generate     {"requests": [{"prompt", "seeds", "max_new_tokens", "temperat
                    -> {"completions": [[{"tokens", "logprobs", "finish", "prefilled", "reused"}]],
                        "adapter_version"}: every request of the call in one Sampler.generate
                    (its continuous batching), the version the whole batch was sampled with
-POST /adapter      an npz of float32 `NAME.a` / `NAME.b` plus `alpha` and `version` (no tensors:
-                   the base model) -> the refresh timing and the version now live
+POST /adapter      remote.encode_adapter's body: a JSON header (alpha, version, each tensor's name
+                   and shapes) and one float32 blob of the tensors (none: the base model)
+                   -> the refresh timing and the version now live
 
 Calls take turns on the one Sampler (a lock). A refusal is 4xx with
 {"error": {"message": one line, "kind": the retrograd.errors class}}, never a traceback.
@@ -17,11 +18,9 @@ Calls take turns on the one Sampler (a lock). A refusal is 4xx with
 
 from __future__ import annotations
 
-import io
-import math
 import os
 import threading
-import zipfile
+from math import prod
 from pathlib import Path
 from typing import Annotated
 
@@ -35,7 +34,9 @@ from starlette.exceptions import HTTPException
 from retrograd.errors import RetrogradError
 from retrograd.gguf.adapter import LoRAWeights
 from retrograd.sampler import GroupRequest, Sampler, Sampling
-from retrograd.sampler.remote import completion_json, error_json, model_identity
+from retrograd.sampler.remote import ADAPTER_HEADER_SIZE, ADAPTER_MAGIC, completion_json, error_json, model_identity
+
+MAX_ADAPTER_HEADER_BYTES = 1 << 20  # some 10,000 tensors' names and shapes
 
 
 class GroupBody(BaseModel):
@@ -55,6 +56,26 @@ class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     requests: list[GroupBody]
+
+
+# A LoRA matrix, or an expert stack of them; dims bounded so that numpy can hold any shape of zero size.
+Shape = Annotated[list[Annotated[int, Field(ge=0, le=1 << 20)]], Field(min_length=2, max_length=3)]
+
+
+class AdapterTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Annotated[str, Field(min_length=1)]
+    a: Shape
+    b: Shape
+
+
+class AdapterHeader(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    alpha: Annotated[float, Field(allow_inf_nan=False)]
+    version: Annotated[int, Field(ge=0)]
+    tensors: list[AdapterTensor]
 
 
 class Refusal(Exception):
@@ -146,41 +167,44 @@ def create_app(sampler: Sampler, model_path: Path) -> FastAPI:
 
 
 def read_adapter_body(body: bytes) -> tuple[dict[str, LoRAWeights], float, int]:
-    """The npz of POST /adapter -> (tensors by base weight name, alpha, version); shapes are
-    the Sampler's to check against the model."""
-    if not body.startswith(b"PK"):
-        raise Refusal(400, "the body is not an npz archive (np.savez)")
-    try:
-        with np.load(io.BytesIO(body), allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in npz.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as e:
-        raise Refusal(400, f"the body is not an npz archive of plain arrays ({e})") from None
-    alpha, version = arrays.pop("alpha", None), arrays.pop("version", None)
-    if alpha is None or alpha.shape != () or alpha.dtype.kind not in "fi" or not math.isfinite(alpha):
-        raise Refusal(400, "alpha: expected one finite number")
-    if version is None or version.shape != () or version.dtype.kind not in "iu" or version < 0:
-        raise Refusal(400, "version: expected one integer >= 0")
-    names = sorted({key[:-2] for key in arrays if key.endswith((".a", ".b"))})
-    tensors = {}
-    for name in names:
-        a, b = arrays.pop(f"{name}.a", None), arrays.pop(f"{name}.b", None)
-        if a is None or b is None:
-            raise Refusal(400, f"{name}: expected both {name}.a and {name}.b")
-        if a.dtype != np.float32 or b.dtype != np.float32:
-            raise Refusal(400, f"{name}: tensors are {a.dtype} / {b.dtype}, float32 expected")
-        tensors[name] = LoRAWeights(a, b)
-    if arrays:
+    """The body of POST /adapter (remote.encode_adapter) -> (tensors by base weight name, alpha,
+    version). The tensors are read-only views of `body`, so nothing is parsed per array; their
+    shapes are the Sampler's to check against the model."""
+    prefix = len(ADAPTER_MAGIC) + ADAPTER_HEADER_SIZE.size
+    if len(body) < prefix or not body.startswith(ADAPTER_MAGIC):
         raise Refusal(
-            400, f"unexpected arrays {', '.join(sorted(arrays))[:200]} (expected NAME.a, NAME.b, alpha, version)"
+            400, f"the body is not an adapter as encode_adapter writes it (starting {ADAPTER_MAGIC.decode()})"
         )
-    return tensors, float(alpha), int(version)
+    (header_size,) = ADAPTER_HEADER_SIZE.unpack_from(body, len(ADAPTER_MAGIC))
+    if header_size > min(MAX_ADAPTER_HEADER_BYTES, len(body) - prefix):
+        raise Refusal(
+            400, f"the header's length {header_size} exceeds the body or the limit of {MAX_ADAPTER_HEADER_BYTES} bytes"
+        )
+    try:
+        header = AdapterHeader.model_validate_json(body[prefix : prefix + header_size])
+    except ValidationError as e:
+        raise Refusal(400, first_problem(e, "the header")) from None
+    start = prefix + header_size
+    sizes = [(prod(t.a), prod(t.b)) for t in header.tensors]
+    described, held = 4 * sum(a + b for a, b in sizes), len(body) - start
+    if described != held:
+        raise Refusal(400, f"the header's tensors take {described} bytes, {held} follow it")
+    tensors = {}
+    for t, (a_size, b_size) in zip(header.tensors, sizes):
+        if t.name in tensors:
+            raise Refusal(400, f"tensor {t.name} is listed twice")
+        a = np.frombuffer(body, "<f4", a_size, start).reshape(t.a)
+        b = np.frombuffer(body, "<f4", b_size, start + 4 * a_size).reshape(t.b)
+        tensors[t.name] = LoRAWeights(a, b)
+        start += 4 * (a_size + b_size)
+    return tensors, header.alpha, header.version
 
 
-def first_problem(e: ValidationError) -> str:
-    """A pydantic error as one line: where in the body, and what."""
+def first_problem(e: ValidationError, what: str = "the body") -> str:
+    """A pydantic error as one line: where in `what`, and what."""
     first = e.errors()[0]
     if first["type"] == "json_invalid":
-        return "the body is not valid JSON"
+        return f"{what} is not valid JSON"
     where = ".".join(str(part) for part in first["loc"])
     return f"{where}: {first['msg']}" if where else first["msg"]
 

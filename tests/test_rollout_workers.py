@@ -9,7 +9,6 @@ in-process run. The push and generation speeds are measured in benchmarks/rollou
 from __future__ import annotations
 
 import http.client
-import io
 import json
 import shutil
 import signal
@@ -32,8 +31,15 @@ from retrograd.errors import ConfigError, DataError, GGUFError
 from retrograd.gguf.adapter import LoRAWeights
 from retrograd.lora import attach_lora
 from retrograd.recipes import grpo
+from retrograd.rollout_worker import read_adapter_body
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
-from retrograd.sampler.remote import connect, encode_adapter, start_local_workers
+from retrograd.sampler.remote import (
+    ADAPTER_HEADER_SIZE,
+    ADAPTER_MAGIC,
+    connect,
+    encode_adapter,
+    start_local_workers,
+)
 from retrograd.training.report import SilentReporter
 
 OPTIONS = SamplerOptions(n_ctx=256, n_seq_max=4, kv_dtype="f16", n_threads=1)
@@ -250,10 +256,30 @@ def test_bad_generate_bodies_are_400_with_one_line(workers, body, message):
     assert post(workers.urls[0], "/generate", body) == (400, {"error": {"message": message, "kind": "DataError"}})
 
 
-def npz(**arrays) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
+def adapter_body(header: dict | bytes, blob: bytes) -> bytes:
+    """A POST /adapter body laid out as encode_adapter's, around any header and blob."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return ADAPTER_MAGIC + ADAPTER_HEADER_SIZE.pack(len(raw)) + raw + blob
+
+
+def test_an_adapter_body_carries_every_tensor_bit_for_bit():
+    rng = np.random.default_rng(0)
+    tensors = {
+        "blk.0.attn_q.weight": LoRAWeights(rng.standard_normal((4, 6), np.float32), rng.standard_normal((5, 4))),
+        "blk.0.ffn_up_exps.weight": LoRAWeights(
+            rng.standard_normal((3, 6, 4), np.float32).transpose(0, 2, 1),
+            np.asfortranarray(rng.standard_normal((3, 7, 4), np.float32)),
+        ),
+    }  # float64 and non-contiguous inputs are sent as float32
+    body = encode_adapter(tensors, 8, 5)
+    blob_bytes = 4 * sum(w.a.size + w.b.size for w in tensors.values())
+    assert body.startswith(ADAPTER_MAGIC) and (len(body) - blob_bytes) % 8 == 0  # the blob starts aligned
+    decoded, alpha, version = read_adapter_body(bytes(body))
+    assert (alpha, version, list(decoded)) == (8.0, 5, list(tensors))
+    for name, sent in tensors.items():
+        for got, want in ((decoded[name].a, sent.a), (decoded[name].b, sent.b)):
+            assert got.dtype == np.float32 and got.tobytes() == np.asarray(want, np.float32).tobytes()
+    assert read_adapter_body(bytes(encode_adapter({}, 1.0, 0))) == ({}, 1.0, 0)
 
 
 def test_bad_adapter_bodies_are_400_with_one_line_and_change_nothing(workers, tiny, adapter):
@@ -261,15 +287,30 @@ def test_bad_adapter_bodies_are_400_with_one_line_and_change_nothing(workers, ti
     version = info(url)["adapter_version"]
     a, b = np.zeros((4, 64), np.float32), np.zeros((64, 4), np.float32)
     name = "blk.0.attn_q.weight"
+    entry = {"name": name, "a": [4, 64], "b": [64, 4]}
+    good, blob = {"alpha": 8.0, "version": 3, "tensors": [entry]}, a.tobytes() + b.tobytes()
+    changed = lambda **fields: {**good, **fields}
     cases = [
-        (b"not a zip", "the body is not an npz archive (np.savez)", "DataError"),
-        (npz(version=np.int64(3), **{f"{name}.a": a, f"{name}.b": b}), "alpha: expected one finite number", "DataError"),
-        (npz(alpha=np.float64(8), version=np.int64(-1)), "version: expected one integer >= 0", "DataError"),
-        (npz(alpha=np.float64(8), version=np.int64(3), **{f"{name}.a": a}), f"{name}: expected both {name}.a and {name}.b", "DataError"),
-        (npz(alpha=np.float64(8), version=np.int64(3), **{f"{name}.a": a.astype(np.float64), f"{name}.b": b}),
-         f"{name}: tensors are float64 / float32, float32 expected", "DataError"),
-        (npz(alpha=np.float64(8), version=np.int64(3), extra=a), "unexpected arrays extra (expected NAME.a, NAME.b, alpha, version)", "DataError"),
-        (npz(alpha=np.float64(8), version=np.int64(3), **{f"{name}.a": a[:, :32], f"{name}.b": b}),
+        (b"PK not ours", "the body is not an adapter as encode_adapter writes it (starting RGLORA01)", "DataError"),
+        (ADAPTER_MAGIC + ADAPTER_HEADER_SIZE.pack(1 << 30) + b"{}",
+         "the header's length 1073741824 exceeds the body or the limit of 1048576 bytes", "DataError"),
+        (adapter_body(b'{"alpha": 8', blob), "the header is not valid JSON", "DataError"),
+        (adapter_body({"version": 3, "tensors": [entry]}, blob), "alpha: Field required", "DataError"),
+        (adapter_body(b'{"alpha": NaN, "version": 3, "tensors": []}', b""), "alpha: Input should be a finite number", "DataError"),
+        (adapter_body(changed(version=-1), blob), "version: Input should be greater than or equal to 0", "DataError"),
+        (adapter_body(changed(version="3"), blob), "version: Input should be a valid integer", "DataError"),
+        (adapter_body(changed(tensors=[{"name": name, "a": [4, 64]}]), blob), "tensors.0.b: Field required", "DataError"),
+        (adapter_body(changed(tensors=[{**entry, "a": [4, -64]}]), blob),
+         "tensors.0.a.1: Input should be greater than or equal to 0", "DataError"),
+        (adapter_body(changed(tensors=[{**entry, "a": [0, 1 << 40]}]), b.tobytes()),
+         "tensors.0.a.1: Input should be less than or equal to 1048576", "DataError"),
+        (adapter_body(changed(tensors=[{**entry, "dtype": "float64"}]), blob),
+         "tensors.0.dtype: Extra inputs are not permitted", "DataError"),
+        (adapter_body(good, a.astype(np.float64).tobytes() + b.tobytes()),
+         "the header's tensors take 2048 bytes, 3072 follow it", "DataError"),
+        (adapter_body(good, blob[:-4]), "the header's tensors take 2048 bytes, 2044 follow it", "DataError"),
+        (adapter_body(changed(tensors=[entry, entry]), blob + blob), f"tensor {name} is listed twice", "DataError"),
+        (adapter_body(changed(tensors=[{**entry, "a": [4, 32]}]), a[:, :32].tobytes() + b.tobytes()),
          f"adapter weight {name}: lora_a [4, 32] / lora_b [64, 4] do not fit the base [64, 64] (expected [r, 64] and [64, r])", "GGUFError"),
     ]  # fmt: skip
     for body, message, kind in cases:

@@ -12,8 +12,10 @@ sampled with another adapter (a worker restarted, or pushed to by someone else) 
 instead of trained on.
 
 Wire format: JSON for requests and completions (Python writes a float as its shortest repr,
-which reads back as the same double); the adapter as an uncompressed npz of float32 tensors
-`NAME.a`, `NAME.b` plus `alpha` and `version`, loaded without pickle. No tensors: the base.
+which reads back as the same double); the adapter as one body (encode_adapter): a small JSON
+header (alpha, version, each tensor's name and the shapes of its A and B), then every A and B
+in header order as one float32 blob, which the worker reads as views without parsing an array
+each. No tensors: the base.
 
 A worker that cannot be reached mid-call (refused, reset, or silent for `timeout_s`) is dropped
 and its groups go to the remaining workers, once: a group whose second worker fails too is an
@@ -25,10 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import io
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -75,15 +77,29 @@ def model_identity(path: Path) -> ModelIdentity:
 # ---------------------------------------------------------------- wire format, shared with the worker
 
 
-def encode_adapter(tensors: dict, alpha: float, version: int) -> bytes:
-    """{base weight name: LoRAWeights} -> the npz body of POST /adapter."""
-    arrays = {"alpha": np.float64(alpha), "version": np.int64(version)}
-    for name, weights in tensors.items():
-        arrays[f"{name}.a"] = np.ascontiguousarray(weights.a, dtype=np.float32)
-        arrays[f"{name}.b"] = np.ascontiguousarray(weights.b, dtype=np.float32)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
+ADAPTER_MAGIC = b"RGLORA01"  # the first bytes of a POST /adapter body
+ADAPTER_HEADER_SIZE = struct.Struct("<I")  # after the magic: the JSON header's length in bytes
+
+
+def encode_adapter(tensors: dict, alpha: float, version: int) -> bytearray:
+    """{base weight name: LoRAWeights} -> the body of POST /adapter: ADAPTER_MAGIC, the header's
+    length, the JSON header {"alpha", "version", "tensors": [{"name", "a": shape, "b": shape}]},
+    then A and B of each listed tensor as little-endian float32, back to back. Built in one
+    buffer (each tensor copied once, no joins); the header is padded so the blob starts 8-byte
+    aligned."""
+    pairs = [(name, np.asarray(w.a), np.asarray(w.b)) for name, w in tensors.items()]
+    listed = [{"name": name, "a": list(a.shape), "b": list(b.shape)} for name, a, b in pairs]
+    header = json.dumps({"alpha": float(alpha), "version": int(version), "tensors": listed}).encode()
+    prefix = len(ADAPTER_MAGIC) + ADAPTER_HEADER_SIZE.size
+    header += b" " * (-(prefix + len(header)) % 8)
+    start = prefix + len(header)
+    body = bytearray(start + 4 * sum(a.size + b.size for _, a, b in pairs))
+    body[:start] = ADAPTER_MAGIC + ADAPTER_HEADER_SIZE.pack(len(header)) + header
+    blob, at = np.frombuffer(body, "<f4", offset=start), 0
+    for array in (x for _, a, b in pairs for x in (a, b)):
+        blob[at : at + array.size].reshape(array.shape)[...] = array
+        at += array.size
+    return body
 
 
 def request_json(request: GroupRequest) -> dict:
@@ -138,7 +154,9 @@ class Worker:
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
 
-    def call(self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json"):
+    def call(
+        self, method: str, path: str, body: bytes | bytearray | None = None, content_type: str = "application/json"
+    ):
         """-> (HTTP status, parsed JSON answer); WorkerLost when the worker is not there. A
         kept-alive connection the worker has closed meanwhile is retried once on a fresh one."""
         with self._lock:
@@ -169,7 +187,9 @@ class Worker:
         except ValueError:
             raise WorkerLost(f"HTTP {response.status} with a body that is not JSON") from None
 
-    def answer(self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json") -> dict:
+    def answer(
+        self, method: str, path: str, body: bytes | bytearray | None = None, content_type: str = "application/json"
+    ) -> dict:
         """The JSON answer of a successful call; a refusal raises the worker's error class."""
         status, answer = self.call(method, path, body, content_type)
         if status == 200:
@@ -201,7 +221,7 @@ def _reason(e: BaseException) -> str:
 class PushTiming:
     """One adapter push to every worker; total_s as RefreshTiming's, plus each worker's part."""
 
-    encode_s: float  # the tensors as one npz
+    encode_s: float  # the tensors as one body (encode_adapter)
     push_s: float  # the concurrent pushes, until the last worker answered
     round_trip_s: dict[str, float]  # per worker URL: upload, refresh and answer
     refresh: dict[str, RefreshTiming]  # per worker URL: its Sampler's own refresh
