@@ -154,6 +154,30 @@ def test_live_adapter_matches_llama_with_the_same_file_and_clears_back_to_base(
     assert not folder.exists()  # closing removed the adapter file
 
 
+def test_a_refresh_with_the_same_layout_rewrites_the_file_in_place_and_samples_the_new_weights(
+    smollm2, chat, trained_adapter, tmp_path
+):
+    """The second refresh only overwrites the tensor data of the file the first wrote: the
+    bytes are those of a fresh write of the new weights, and the samples those of a sampler
+    that only ever saw the new weights."""
+    request = [GroupRequest(chat("Give me a word."), [9, 10], Sampling(6))]
+    first = adapter_tensors(trained_adapter)
+    second = {name: type(w)(w.a, w.b * -1.5) for name, w in first.items()}
+    f = GGUFFile(smollm2)
+    fresh = write_adapter(tmp_path / "second.gguf", second, arch=f.get("general.architecture"),
+                          alpha=trained_adapter.alpha, base_shapes={n: t.shape for n, t in f.tensors.items()})
+    with sampler(smollm2) as s:
+        s.set_adapter(first, alpha=trained_adapter.alpha)
+        inode = s.adapter.file.stat().st_ino
+        s.set_adapter(second, alpha=trained_adapter.alpha)
+        assert s.adapter.file.stat().st_ino == inode  # rewritten in place, not written anew
+        assert s.adapter.file.read_bytes() == fresh.read_bytes()
+        after = outcome(s.generate(request))
+    with sampler(smollm2) as s:
+        s.set_adapter(second, alpha=trained_adapter.alpha)
+        assert outcome(s.generate(request)) == after
+
+
 def test_conversation_prefills_only_new_tokens_and_matches_a_fresh_prefill(smollm2, chat):
     sampling = Sampling(6)
     with sampler(smollm2, n_seq_max=4) as s:

@@ -16,6 +16,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from retrograd.errors import GGUFError
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, write_adapter
 from retrograd.gguf.file import GGUFFile
@@ -47,14 +49,15 @@ class LiveAdapter:
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
         self.file = self.folder / "adapter.gguf"
         self.current = None  # the llama_adapter_lora pointer applied now
+        self._layout = None  # (alpha, names and shapes) of the file as last written whole
+        self._views: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # its A and B data, memory-mapped
 
     def refresh(self, adapter, alpha: float | None) -> RefreshTiming:
         """adapter: a retrograd.lora.Adapter, {base weight name: LoRAWeights} (then alpha is
         required), or None for the base model."""
         t0 = time.perf_counter()
         if adapter is not None:
-            tensors, alpha = _tensors_and_alpha(adapter, alpha)
-            write_adapter(self.file, tensors, arch=self.arch, alpha=alpha, base_shapes=self.base_shapes)
+            self._write(*_tensors_and_alpha(adapter, alpha))
         t1 = time.perf_counter()
         loaded = self.engine.load_adapter(self.file) if adapter is not None else None
         t2 = time.perf_counter()
@@ -64,6 +67,30 @@ class LiveAdapter:
         self.current = loaded
         t3 = time.perf_counter()
         return RefreshTiming(t1 - t0, t2 - t1, t3 - t2)
+
+    def _write(self, tensors: dict[str, LoRAWeights], alpha: float) -> None:
+        """The adapter file: written whole when its layout (alpha, names, shapes) is new, else
+        only its float32 data overwritten in place through a memory map (the same bytes; for
+        rank 8 on SmolLM2 2 ms instead of 17). Safe because llama.cpp copies an adapter's
+        tensors into its own buffers while loading it."""
+        layout = (alpha, tuple((name, w.a.shape, w.b.shape) for name, w in tensors.items()))
+        if layout == self._layout:
+            for name, w in tensors.items():
+                a, b = self._views[name]
+                a[...] = w.a
+                b[...] = w.b
+            return
+        write_adapter(self.file, tensors, arch=self.arch, alpha=alpha, base_shapes=self.base_shapes)
+        written = GGUFFile(self.file)
+        data = np.memmap(self.file, dtype=np.uint8, mode="r+")
+
+        def view(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            info = written.tensors[name]
+            return data[info.offset: info.offset + info.n_bytes].view(np.float32).reshape(shape)
+
+        self._views = {name: (view(f"{name}.lora_a", w.a.shape), view(f"{name}.lora_b", w.b.shape))
+                       for name, w in tensors.items()}
+        self._layout = layout
 
     def close(self) -> None:
         """Detach and free the adapter (before the model goes) and remove the folder."""
