@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -35,11 +34,12 @@ def train(
     """Train a LoRA on the frozen GGUF base as \\[run].algorithm says, and export it for llama.cpp."""
     from retrograd.config import load_config
     from retrograd.recipes import RECIPES
+    from retrograd.training.distributed import launched_as_rank_zero
     from retrograd.training.report import SilentReporter
 
     resume_arg = resume_choice(resume, resume_from, ctx.args)
     cfg = load_config(config).with_overrides(model=model, device=device)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0:  # rank 0 reports for all
+    if not launched_as_rank_zero():  # under torchrun rank 0 reports for every rank
         RECIPES[cfg.run.algorithm](cfg, SilentReporter(), resume=resume_arg)
         return
     reporter = ReportingConsole(cfg)

@@ -54,6 +54,7 @@ from retrograd.rollouts.sandbox import EnvironmentOptions, SandboxPool, open_env
 from retrograd.rollouts.scenarios import Scenario, load_scenarios
 from retrograd.rollouts.tools import ToolCatalog
 from retrograd.sampler import Sampler, SamplerOptions
+from retrograd.training.distributed import launched_as_rank_zero
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
     Batch,
@@ -139,7 +140,7 @@ def open_task(cfg: Config) -> AgentTask:
         checked_prompt(chat, scenario, limits)
     judge = OneshotCommandReward(a.judge.command, a.judge.timeout_secs) if a.judge is not None else None
     task = AgentTask(chat, limits, catalog, options, scenarios, eval_scenarios, judge)
-    if options is not None:
+    if options is not None and launched_as_rank_zero():  # torchrun: the other ranks never run a tool
         try:
             task.pool = open_environment(options)
         except BaseException:

@@ -82,6 +82,12 @@ class Ranks:
         return box[0]
 
 
+def launched_as_rank_zero() -> bool:
+    """True unless torchrun started this process as another rank (read from the
+    environment, before any process group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0
+
+
 def rank_device(device: torch.device) -> torch.device:
     """Under torchrun each rank trains on the GPU of its LOCAL_RANK (cuda:0 otherwise)."""
     if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
