@@ -24,10 +24,10 @@ def in_ci() -> bool:
 
 
 def unavailable(reason: str):
-    """Skip (developer machine) or fail (CI=true) the current test."""
+    """Skip (developer machine) or fail (CI=true) the current marked test."""
     if in_ci():
-        pytest.fail(f"CI=true but {reason}: the sandbox tests must run in CI (.ci/run installs what they need)",
-                     pytrace=False)
+        pytest.fail(f"CI=true but {reason}: the marked tests must run in CI (.ci/run installs what they need)",
+                    pytrace=False)
     pytest.skip(reason)
 
 
@@ -54,16 +54,26 @@ def bwrap_problem() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def docker_problem() -> str | None:
-    """None when a Docker daemon answers (DOCKER_HOST honoured), else why not (one line)."""
+    """None when a Docker daemon answers (DOCKER_HOST honoured) and holds the sandbox image,
+    else why not (one line)."""
     try:
         import docker
         import docker.errors
     except ImportError:
         return "the docker Python package is not installed"
+    from retrograd.rollouts.sandbox.options import DEFAULT_IMAGE
+
     try:
-        docker.from_env().ping()
+        client = docker.from_env()
+        client.ping()
     except docker.errors.DockerException as error:
         return f"no Docker daemon reachable ({str(error).splitlines()[0][:100]}); .ci/run starts dockerd"
+    try:
+        client.images.get(DEFAULT_IMAGE)
+    except docker.errors.ImageNotFound:
+        return f"the sandbox image {DEFAULT_IMAGE} is not on the Docker daemon (build it: bin/build-sandbox-image)"
+    except docker.errors.DockerException as error:
+        return f"cannot inspect the sandbox image {DEFAULT_IMAGE} ({str(error).splitlines()[0][:100]})"
     return None
 
 
