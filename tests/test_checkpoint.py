@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from test_cli_resume import one_line_error, train, write_run
 
 from retrograd.config import load_config
@@ -153,6 +154,33 @@ def test_forged_json_state_is_one_line(run_dir, name, content):
     with pytest.raises(CheckpointError, match=str(newest)) as e:
         resume(run_dir, newest)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("field,wrong", [("exp_avg", "leading"), ("exp_avg_sq", "scalar"), ("step", "vector")])
+def test_optimizer_state_of_another_shape_is_one_line_exit_2(run_dir, field, wrong):
+    """load_state_dict takes moments of any shape; resumed, the first step would die with a
+    raw RuntimeError."""
+    middle = step(run_dir, 3)
+    tensors = load_file(middle / "optimizer.safetensors")
+    param_shape = list(tensors["0.exp_avg"].shape)
+    shape = {"leading": [4, *param_shape], "scalar": [], "vector": [2]}[wrong]
+    tensors[f"0.{field}"] = torch.zeros(shape, dtype=tensors[f"0.{field}"].dtype)
+    save_file(tensors, middle / "optimizer.safetensors")
+    reseal(middle, "optimizer.safetensors")
+    r = train("run.toml", "--resume-from", middle.relative_to(run_dir), cwd=run_dir)
+    one_line_error(r, f"{middle.relative_to(run_dir)}: optimizer.safetensors holds 0.{field} of shape {shape}, "
+                      f"expected {[] if field == 'step' else param_shape}")
+    assert not (run_dir / "out/adapter.gguf").exists()
+
+
+def test_optimizer_state_of_a_parameter_this_run_lacks_is_one_line_exit_2(run_dir):
+    middle = step(run_dir, 3)
+    tensors = load_file(middle / "optimizer.safetensors")
+    tensors["99.exp_avg"] = tensors.pop("0.exp_avg")
+    save_file(tensors, middle / "optimizer.safetensors")
+    reseal(middle, "optimizer.safetensors")
+    r = train("run.toml", "--resume-from", middle.relative_to(run_dir), cwd=run_dir)
+    one_line_error(r, f"{middle.relative_to(run_dir)}: optimizer.safetensors holds 99.exp_avg, but this run has no parameter 99")
 
 
 # ---------------------------------------------------------------- damaged checkpoints

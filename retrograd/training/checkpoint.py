@@ -47,6 +47,7 @@ from safetensors.torch import save_file as save_tensors
 
 from retrograd.errors import RetrogradError
 from retrograd.owner import is_dead, process_tag
+from retrograd.training.optim import state_shape
 
 FORMAT_VERSION = 2  # 1 held pickles (lora.pt, optimizer.pt, rng.pt)
 STATE_SUFFIX = ".state"
@@ -144,9 +145,28 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.path}: optimizer.json has {len(saved['param_groups'])} parameter groups, this run {len(live)}"
             )
+        self._check_state_shapes(state, saved["param_groups"], optimizer)
         groups = [{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in group.items()}
                   for group, now in zip(saved["param_groups"], live)]
         return {"state": state, "param_groups": groups}
+
+    def _check_state_shapes(self, state: dict, saved_groups: list, optimizer: torch.optim.Optimizer) -> None:
+        """Every saved tensor has the shape torch keeps for its parameter: load_state_dict takes
+        any shape, and the first step would fail far from the file."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        saved_ids = [number for group in saved_groups for number in group["params"]]
+        owner = dict(zip(saved_ids, params))
+        for number, fields in state.items():
+            for field, value in fields.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if number not in owner:
+                    raise CheckpointError(f"{self.path}: optimizer.safetensors holds {number}.{field}, "
+                                          f"but this run has no parameter {number}")
+                expected = state_shape(field, owner[number])
+                if value.shape != expected:
+                    raise CheckpointError(f"{self.path}: optimizer.safetensors holds {number}.{field} of shape "
+                                          f"{list(value.shape)}, expected {list(expected)}")
 
 
 def save_checkpoint(

@@ -21,6 +21,12 @@ def build_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.
     return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
 
 
+def state_shape(field: str, param: torch.Tensor) -> torch.Size:
+    """The shape AdamW and SGD keep a parameter's state `field` in: the step count is a
+    scalar, moments and momentum are shaped like the parameter."""
+    return torch.Size([]) if field == "step" else param.shape
+
+
 def learning_rate(step: int, *, lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
     """LR of optimizer step `step` (0-based): linear warm-up over warmup_steps, then the
     schedule, which for linear and cosine reaches 0 after the last of total_steps."""
