@@ -4,9 +4,10 @@ the 1-rank run with the same global batch.
 Each rank backpropagates its share of a step's micro-batches and the LoRA gradients are
 summed, so the two runs differ only in the order of float sums. Measured on a 2-core AMD
 EPYC (f32): SFT losses and gradient norms over 4 steps of 4 micro-batches within 8.4e-8
-relative; GRPO's update (one group per rank, two optimizer steps) bit-identical, since a sum
-of two partial gradients is the same float whichever side adds it. The bound, 1e-4
-relative, leaves > 1000x room; without the all-reduce both tests fail (checked).
+relative; GRPO's and agentic GRPO's updates (one group per rank, two optimizer steps)
+bit-identical, losses and trained adapters alike, since a sum of two partial gradients is the
+same float whichever side adds it. The bound, 1e-4 relative, leaves > 1000x room; without
+the all-reduce the SFT, GRPO and agentic GRPO tests fail (checked).
 """
 
 import json
@@ -14,8 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_grpo import write_config
+
+from retrograd.gguf.adapter import read_adapter
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 RETROGRAD = [sys.executable, "-m", "retrograd"]
@@ -150,7 +154,11 @@ def test_on_policy_distillation_on_two_ranks_takes_the_one_rank_update(tmp_path,
 
 @pytest.mark.slow  # ~19 s: the default suite keeps SFT and GRPO on two ranks
 def test_agent_grpo_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
-    """Judge-only agentic GRPO: rank 0 collects and judges the trajectories, both ranks train."""
+    """Judge-only agentic GRPO: rank 0 collects and judges the trajectories, both ranks train.
+    A micro-batch holds one group (25 prompt + 4 x 24 completion tokens fit 128, two groups do
+    not), so each rank backpropagates one group, two optimizer steps. Step 1's loss is 0
+    (ratio 1, equal lengths, centred advantages) but its gradient is not; step 2's loss and
+    the trained adapter carry both ranks' gradients, so both differ without the all-reduce."""
     from test_agent_grpo import JUDGED, write_run
 
     for name in ("one", "two"):
@@ -160,10 +168,22 @@ def test_agent_grpo_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model)
                         environment="", agent="temperature = 0.7")
         text = cfg.read_text().replace("[agent.environment]\n\n[agent.environment.tools]\ndefault = \"mini\"\n"
                                        "[agent.environment.tools.toolset.mini]\ntools = [\"write_file\", \"submit\"]\n", "")
-        cfg.write_text(text.replace("threads = 2", 'threads = 1\ncompute_dtype = "f32"'))
+        text = text.replace("threads = 2", 'threads = 1\ncompute_dtype = "f32"').replace("micro_batch = 4096", "micro_batch = 128")
+        cfg.write_text(text.replace("epochs_per_update = 1", "epochs_per_update = 2").replace("[run]\n", "[run]\nverbose = true\n"))
         cfg.rename(folder / "run.toml")
-    train(tmp_path / "one", 1)
-    train(tmp_path / "two", 2)
+    one = train(tmp_path / "one", 1)
+    two = train(tmp_path / "two", 2)
+    assert "step 2 micro-batch 2/2: 4 sequences" in one.stdout  # one group per micro-batch
+    assert "step 2 micro-batch 1/1: 4 sequences" in two.stdout  # rank 0 trains one group, rank 1 the other
     (a,), (b,) = rows(tmp_path / "one"), rows(tmp_path / "two")
-    assert a["reward/mean"] == b["reward/mean"] and a["train/steps"] == b["train/steps"] >= 1
+    assert a["reward/mean"] == b["reward/mean"] and a["reward/std"] > 0 and a["train/steps"] == b["train/steps"] == 2
+    assert abs(a["policy/total_loss"]) > 1e-2  # step 2's (measured -0.17; step 1's is 0)
     assert close(a["policy/total_loss"], b["policy/total_loss"]), (a["policy/total_loss"], b["policy/total_loss"])
+    trained = [read_adapter(tmp_path / name / "out/adapter.gguf").tensors for name in ("one", "two")]
+    assert trained[0].keys() == trained[1].keys()
+    for name, one_rank in trained[0].items():
+        two_ranks = trained[1][name]
+        assert np.abs(one_rank.b).max() > 0  # B starts at zero: the steps moved it
+        for part in ("a", "b"):
+            x, y = getattr(one_rank, part), getattr(two_ranks, part)
+            assert np.abs(x - y).max() <= BOUND * np.abs(x).max(), (name, part, np.abs(x - y).max(), np.abs(x).max())
