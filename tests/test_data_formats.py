@@ -220,6 +220,89 @@ def test_table_cells_are_bounded_like_json(tmp_path, smol, monkeypatch):
         load_sft(deep, smol, ctx=512)
 
 
+class CountedName(str):
+    """A cell that counts the equality tests made on it (a quadratic header check makes n²)."""
+
+    comparisons = 0
+
+    def __eq__(self, other):
+        CountedName.comparisons += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+    def strip(self, *chars):
+        return CountedName(str.strip(self, *chars))
+
+
+def test_a_wide_csv_header_is_checked_in_linear_time(tmp_path, monkeypatch):
+    real_reader = csv.reader
+
+    class CountingReader:
+        def __init__(self, *args, **kwargs):
+            self.rows = real_reader(*args, **kwargs)
+            self.line_num = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            cells = next(self.rows)
+            self.line_num = self.rows.line_num
+            return [CountedName(cell) for cell in cells]
+
+    monkeypatch.setattr(csv, "reader", CountingReader)
+    columns = 1000
+    wide = tmp_path / "wide.csv"
+    wide.write_text(",".join(f"c{i}" for i in range(columns)) + "\n" + "x," * (columns - 1) + "x\n", encoding="utf-8")
+    [(where, record)] = tables.read_records(wide, "csv")
+    assert len(record) == columns and CountedName.comparisons <= 2 * columns, CountedName.comparisons  # n² before
+    repeated = tmp_path / "repeated.csv"
+    repeated.write_text(",".join(f"c{i // 2}" for i in range(columns)) + "\n" + "x," * (columns - 1) + "x\n", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^{repeated}:1: the header needs distinct, non-empty column names "
+                                        r"\(repeated: c0, c1, c10, c100, c101, \.\.\.\)$"):
+        list(tables.read_records(repeated, "csv"))
+
+
+def hostile_parquet(kind: str) -> pa.Table:
+    """A few hundred bytes of Parquet that decode to hundreds of MiB."""
+    if kind == "a list cell of millions of values":
+        n = 2_000_000  # run-length encoded nulls
+        message = pa.struct([("role", pa.string()), ("content", pa.string())])
+        return pa.table({"messages": pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), pa.nulls(n, message))})
+    rows = 100  # one 1 MB dictionary value, named by every row
+    return pa.table({"prompt": pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array(["x" * 1_000_000]))})
+
+
+READ_IN_A_CHILD = """
+import resource, sys
+from pathlib import Path
+import pyarrow.compute, pyarrow.parquet
+from retrograd.data.tables import read_records
+from retrograd.errors import DataError
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    print(f"read {sum(1 for _ in read_records(Path(sys.argv[1]), 'parquet'))} rows")
+except DataError as e:
+    print(f"refused: {e}")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+@pytest.mark.parametrize("kind", ["a list cell of millions of values", "a dictionary value in every row"])
+def test_a_parquet_file_that_decodes_to_far_more_than_its_size_is_refused_before_decoding(tmp_path, kind):
+    path = tmp_path / "hostile.parquet"
+    pq.write_table(hostile_parquet(kind), path, compression="zstd")
+    size = path.stat().st_size
+    assert size < 2000
+    r = subprocess.run([sys.executable, "-c", READ_IN_A_CHILD, str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    outcome, peak_growth_mib = r.stdout.splitlines()
+    assert outcome.startswith(f"refused: {path}: "), outcome
+    assert f"more than the 64 MiB a Parquet file of {size:,} bytes may decode to (256x its size, at least 64 MiB" in outcome
+    assert int(peak_growth_mib) < 32, outcome  # the old reader grew by hundreds of MiB
+
+
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, smol, monkeypatch):
     path = write_records(tmp_path / "d.parquet", ALPACA[0])
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` now raises ImportError

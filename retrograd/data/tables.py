@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ MAX_CELL_CHARS = MAX_JSON_CHARS
 JSON_COLUMNS = frozenset({"messages", "conversations", "tools"})
 MAYBE_JSON_COLUMNS = frozenset({"prompt", "completion"})
 PARQUET_BATCH_ROWS = 256  # rows decoded at a time: memory follows the batch, not the file
+PARQUET_EXPANSION = 256  # decoded bytes a Parquet file may hold per byte on disk (text compresses 3-10x)
+PARQUET_MIN_BUDGET = 64 << 20  # ... and at least this many, whatever its size
+PARQUET_VALUE_BYTES = 64  # what each decoded value is counted as: about its cost as a Python object
 
 
 def read_records(path: Path, container: str) -> Records:
@@ -64,10 +68,10 @@ def _csv_rows(path: Path, text: str) -> Records:
                 continue
             if header is None:
                 header = [cell.strip() for cell in cells]
-                repeated = sorted({name for name in header if header.count(name) > 1})
+                repeated = sorted(name for name, times in Counter(header).items() if times > 1)
                 if repeated or "" in header:
                     raise DataError(f"{where}: the header needs distinct, non-empty column names (repeated: "
-                                    f"{', '.join(repeated) or 'none'})")
+                                    f"{', '.join(repeated[:5]) + (', ...' if len(repeated) > 5 else '') or 'none'})")
                 continue
             if len(cells) != len(header):
                 raise DataError(f"{where}: {len(cells)} cells, but the header names {len(header)} columns")
@@ -78,28 +82,88 @@ def _csv_rows(path: Path, text: str) -> Records:
 
 
 def parquet_records(path: Path) -> Records:
-    """Rows of a Parquet file through pyarrow, imported only now (the `parquet` extra)."""
+    """Rows of a Parquet file through pyarrow, imported only now (the `parquet` extra).
+
+    A few hundred bytes of Parquet can decode to gigabytes (a run-length encoded list of
+    millions of values, a dictionary value repeated in every row), so what a file may decode
+    to is bounded by its size (parquet_budget): the footer's counts are checked before
+    anything is decoded, and every batch before its rows become Python objects, with text
+    columns read as dictionaries so that a repeated value is counted, not expanded."""
     try:
         import pyarrow
         import pyarrow.parquet
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'retrograd[parquet]'") from None
     try:
-        table = pyarrow.parquet.ParquetFile(path)
+        schema = pyarrow.parquet.ParquetFile(path).schema
+        text_columns = [column.path for column in schema if column.physical_type == "BYTE_ARRAY"]
+        table = pyarrow.parquet.ParquetFile(path, read_dictionary=text_columns)
+        size = path.stat().st_size
     except (OSError, pyarrow.ArrowException) as e:
         raise DataError(f"{path}: cannot read as Parquet ({e})") from None
     for field in table.schema_arrow:
         if _depth(field.type) > MAX_JSON_DEPTH:
             raise DataError(f"{path}: column {field.name!r} is nested deeper than {MAX_JSON_DEPTH} levels")
-    number = 0
+    budget = parquet_budget(size)
+    chunks = [table.metadata.row_group(g).column(c)
+              for g in range(table.metadata.num_row_groups) for c in range(table.metadata.num_columns)]
+    declared = sum(chunk.total_uncompressed_size + PARQUET_VALUE_BYTES * chunk.num_values for chunk in chunks)
+    if declared > budget:
+        raise DataError(_over_budget(f"{path}: its footer declares", declared, size, budget))
+    number = decoded = 0
     try:
         for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            decoded += sum(map(_decoded_bytes, batch.columns))
+            if decoded > budget:
+                raise DataError(_over_budget(f"{path}: rows 1-{number + batch.num_rows} hold", decoded, size, budget))
             for row in batch.to_pylist():
                 number += 1
                 where = f"{path}: row {number}"
                 yield where, _plain_values(row, where)
     except (OSError, pyarrow.ArrowException, UnicodeDecodeError) as e:
         raise DataError(f"{path}: row {number + 1}: cannot read ({e})") from None
+
+
+def parquet_budget(file_bytes: int) -> int:
+    """What a Parquet file of `file_bytes` may decode to: text and binary bytes plus
+    PARQUET_VALUE_BYTES for every value (nulls included)."""
+    return max(PARQUET_MIN_BUDGET, PARQUET_EXPANSION * file_bytes)
+
+
+def _over_budget(what: str, decoded: int, file_bytes: int, budget: int) -> str:
+    return (f"{what} {decoded / 2**20:,.0f} MiB once decoded, more than the {budget / 2**20:,.0f} MiB a Parquet file "
+            f"of {file_bytes:,} bytes may decode to ({PARQUET_EXPANSION}x its size, at least "
+            f"{PARQUET_MIN_BUDGET >> 20} MiB; {PARQUET_VALUE_BYTES} bytes a value plus its text)")
+
+
+def _decoded_bytes(array) -> int:
+    """What `array` is charged against parquet_budget, dictionaries counted as if expanded
+    (without expanding them). A struct's values are its fields', a list's its items'."""
+    import pyarrow
+
+    if pyarrow.types.is_struct(array.type):
+        return sum(_decoded_bytes(array.field(i)) for i in range(array.type.num_fields))
+    values = PARQUET_VALUE_BYTES * len(array)
+    if isinstance(array, (pyarrow.ListArray, pyarrow.LargeListArray, pyarrow.FixedSizeListArray)):
+        return values + _decoded_bytes(array.flatten())
+    if isinstance(array, pyarrow.DictionaryArray):
+        return values + _text_bytes(array.dictionary, array.indices)
+    return values + _text_bytes(array)
+
+
+def _text_bytes(values, indices=None) -> int:
+    """Bytes of text or binary `values`, each counted as often as `indices` name it; 0 for other types."""
+    import pyarrow
+    import pyarrow.compute
+
+    kind = values.type
+    if not any(test(kind) for test in (pyarrow.types.is_string, pyarrow.types.is_large_string,
+                                       pyarrow.types.is_binary, pyarrow.types.is_large_binary)):
+        return 0
+    lengths = pyarrow.compute.binary_length(values)
+    if indices is not None:
+        lengths = pyarrow.compute.take(lengths, indices)
+    return pyarrow.compute.sum(lengths).as_py() or 0
 
 
 def _depth(arrow_type) -> int:
