@@ -160,7 +160,9 @@ def bench_grpo(cfg: Config, reporter: Reporter, options: BenchOptions) -> Rollou
     data_path = held_out_path(cfg, options, "prompts")
     adapter_path, adapter = _adapter(cfg, options, reporter)
     chat = open_chat(cfg)
-    prompts = load_prompts(data_path, chat, max_tokens=t.ctx - g.sampling.max_new_tokens)[: options.limit]
+    held_out = load_prompts(data_path, chat, max_tokens=t.ctx - g.sampling.max_new_tokens, evaluation=True)
+    reporter.message(f"data: {held_out.description}")
+    prompts = held_out[: options.limit]
     k = options.samples or DEFAULT_SAMPLES
     success_at = SUCCESS_AT if options.success_at is None else options.success_at
     sampling = Sampling(g.sampling.max_new_tokens, g.sampling.temperature, g.sampling.top_p)
@@ -175,7 +177,8 @@ def bench_grpo(cfg: Config, reporter: Reporter, options: BenchOptions) -> Rollou
         def answer(chunk: range) -> list[list[Sample]]:
             completions = [c for group in sampler.generate([GroupRequest(prompts[i].ids, seeds[i], sampling) for i in chunk]) for c in group]
             texts = [chat.tokenizer.decode([tok for tok in c.tokens if tok not in eog], special=False) for c in completions]
-            rewards = reward.score([prompts[i].text for i in chunk for _ in range(k)], texts)
+            rewards = reward.score([prompts[i].text for i in chunk for _ in range(k)], texts,
+                                   [prompts[i].reference for i in chunk for _ in range(k)])
             flat = [Sample(x, len(c.tokens), c.finish == "length", r, r >= success_at) for x, c, r in zip(texts, completions, rewards)]
             return [flat[n * k:(n + 1) * k] for n in range(len(chunk))]
 

@@ -130,6 +130,38 @@ def test_grpo_rewards_are_the_programs_on_paired_completions(grpo_run):
     assert (v.label, v.mean_delta, v.unchanged, v.total) == ("unchanged", 0.0, 2, 2)
 
 
+class Messages(SilentReporter):
+    def __init__(self):
+        self.lines = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_held_out_answers_reach_the_reward_program_as_reference(tmp_path, smollm2):
+    """`bench --data` with records that end with the known answer: SmolLM2 answers the
+    question, and the reward program gets the answer as "reference" with every sample."""
+    cfg = write_grpo(tmp_path)
+    log = tmp_path / "requests.jsonl"
+    reference_program = Path(__file__).parent / "reward_programs" / "reference.py"
+    cfg.write_text(cfg.read_text().replace(f'"{REWARD_PROGRAM}"', f'"{reference_program}", "{log}"'))
+    answers = ("7", "42", "8")
+    (tmp_path / "answered.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+        for q, a in zip(QUESTIONS, answers)))
+    reporter = Messages()
+    zero = write_adapter_for(smollm2, tmp_path / "zero.gguf", 0.0)
+    result = bench.run(load_config(cfg), reporter, bench.BenchOptions(data=tmp_path / "answered.jsonl", adapter=zero, samples=2))
+    assert ('data: answered.jsonl (chat messages, 3 records; 3 with a reference answer, which the reward receives '
+            'as "reference")') in reporter.lines
+    for side in (result.base, result.adapter):
+        assert [[s.reward for s in samples] for samples in side.samples] == [[float(len(a))] * 2 for a in answers]
+        assert all(s.tokens >= 1 for samples in side.samples for s in samples)
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(requests) == 2 * 2 * len(QUESTIONS)  # base and adapter, two samples each
+    assert {(q["prompt"], q["reference"]) for q in requests} == set(zip(QUESTIONS, answers))
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([*RETROGRAD, "bench", *map(str, args)], cwd=cwd, capture_output=True, text=True, check=False)
 

@@ -532,6 +532,26 @@ def test_bad_prompt_lines_name_file_and_line(tmp_path, smol, line, message):
         load_prompts(path, smol, max_tokens=50)
 
 
+def test_held_out_records_may_end_with_their_reference_answer(tmp_path, smol):
+    """An evaluation file's record is the question and its known answer: the prompt stops at
+    the last user turn and the answer becomes the reference; a training prompt file still
+    must end with the user turn."""
+    asked = write_jsonl(tmp_path / "asked.jsonl", chat(("system", "Terse."), ("user", "1+1?")),
+                        chat(("user", "2+2?")))
+    answered = write_jsonl(tmp_path / "answered.jsonl", chat(("system", "Terse."), ("user", "1+1?"), ("assistant", "2")),
+                           chat(("user", "2+2?")))
+    held_out = load_prompts(answered, smol, evaluation=True)
+    expected = load_prompts(asked, smol)
+    assert [p.ids for p in held_out] == [p.ids for p in expected] and [p.text for p in held_out] == ["1+1?", "2+2?"]
+    assert [p.reference for p in held_out] == ["2", None] and [p.reference for p in expected] == [None, None]
+    assert held_out.description == ('answered.jsonl (chat messages, 2 records; 1 with a reference answer, '
+                                    'which the reward receives as "reference")')
+    assert expected.description == "asked.jsonl (chat messages, 2 records)"
+    with pytest.raises(DataError, match=rf"^{answered}:1: does not end with a user message \(the last is assistant\); "
+                                        "the model answers the last user turn$"):
+        load_prompts(answered, smol)
+
+
 def test_empty_prompt_file_is_refused(tmp_path, smol):
     (tmp_path / "p.jsonl").write_text("")
     with pytest.raises(DataError, match="empty dataset \\(no prompts\\)"):

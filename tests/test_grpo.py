@@ -125,6 +125,29 @@ def test_first_ratios_are_exactly_one_with_several_epochs(tmp_path, tiny_model):
     assert second["policy/ratio_min"] != 1.0 or second["policy/ratio_max"] != 1.0
 
 
+def test_held_out_records_that_end_with_their_answer_give_it_to_the_reward(tmp_path, tiny_model):
+    """Evaluation data written as question and known answer: the prompt stops at the user
+    turn, the reward program gets the answer as "reference" (training prompts get none), the
+    start-up says so, and the evaluation's mean reward is the reward program's."""
+    log = tmp_path / "requests.jsonl"
+    reward = f'reward_command = ["{sys.executable}", "{Path(__file__).parent / "reward_programs/reference.py"}", "{log}"]'
+    answers = {"Calculate 2 + 3.": "5", "Calculate 12 * 6.": "72", "Calculate 10 * 9.": "90"}
+    (tmp_path / "held_out.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+        for q, a in answers.items()))
+    cfg = write_config(tmp_path, tiny_model("llama"), updates=1, reward=reward, extra='[evaluation]\ndata = "held_out.jsonl"')
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert ('evaluation: held_out.jsonl (chat messages, 3 records; 3 with a reference answer, which the reward '
+            'receives as "reference")') in r.stdout
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    held_out = [q for q in requests if q["prompt"] in answers]
+    assert {q["prompt"]: q["reference"] for q in held_out} == answers and len(held_out) == len(answers)
+    assert all("reference" not in q for q in requests if q["prompt"] not in answers)
+    evaluation = next(row for row in metrics(next(tmp_path.glob("out/*metrics.jsonl"))) if "eval/mean_reward" in row)
+    assert evaluation["eval/mean_reward"] == pytest.approx(sum(map(len, answers.values())) / len(answers))
+
+
 def per_update(path: Path) -> dict[int, tuple]:
     out = {}
     for r in metrics(path):

@@ -2,6 +2,7 @@
 the protocol in every way we promise to report (tests/reward_programs/misbehave.py), checking that
 its whole process group, grandchild included, is gone afterwards."""
 
+import json
 import os
 import shlex
 import time
@@ -234,3 +235,35 @@ def test_prompt_is_the_last_user_message():
         {"role": "user", "content": "Calculate 2 + 2."},
     ]
     assert prompt_of(chat) == "Calculate 2 + 2."
+
+
+REFERENCE = Path(__file__).resolve().parent / "reward_programs" / "reference.py"
+
+
+@pytest.mark.parametrize("mode", ["persistent", "oneshot"])
+def test_a_reference_answer_travels_as_an_extra_request_field(tmp_path, mode):
+    """Held-out records that end with their answer: the request carries it as "reference"
+    (only where the prompt has one), as TRL passes a dataset's extra columns."""
+    log = tmp_path / "requests.jsonl"
+    with make_reward(command=[str(REFERENCE), str(log)], mode=mode, timeout_seconds=20) as reward:
+        assert reward.score(["1 + 1?", "2 + 2?"], ["2", "5"], ["2", None]) == [1.0, -1.0]
+        assert reward.score(["10 + 10?"], ["20"]) == [-1.0]
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        {"prompt": "1 + 1?", "completion": "2", "reference": "2"},
+        {"prompt": "2 + 2?", "completion": "5"},
+        {"prompt": "10 + 10?", "completion": "20"},
+    ]
+
+
+def test_a_reward_function_gets_reference_answers_as_a_keyword(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "test_rewards_module_d.py").write_text(
+        "def exact(prompts, completions, reference=None):\n"
+        "    return [-1.0 if r is None else float(c == r) for c, r in zip(completions, reference or [None] * len(prompts))]\n"
+        "def plain(prompts, completions):\n"
+        "    return [0.0] * len(completions)\n")
+    with make_reward(function="test_rewards_module_d:exact") as reward:
+        assert reward.score(["1 + 1?", "2 + 2?", "3 + 3?"], ["2", "5", "6"], ["2", "4", None]) == [1.0, 0.0, -1.0]
+        assert reward.score(["1 + 1?"], ["2"]) == [-1.0]
+    with make_reward(function="test_rewards_module_d:plain") as reward:  # no reference: called as before
+        assert reward.score(["1 + 1?"], ["2"], [None]) == [0.0]

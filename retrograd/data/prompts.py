@@ -2,6 +2,10 @@
 and any container tables.py reads: the prompt part of each record (chat messages ending with
 the user turn the model answers; TRL's prompt; a ShareGPT conversation without its final
 assistant turn; Alpaca's instruction and input), optionally with a `rubric` for the judge.
+In an evaluation file a chat record may end with its reference answer (an assistant turn
+after the last user turn): the prompt stops at the user turn, and the reward program gets
+the answer as the request's "reference", as TRL hands a dataset's extra columns to reward
+functions. A training prompt must end with the user turn.
 
 A chat prompt is rendered with the generation prompt (`<|im_start|>assistant\\n` and the like)
 and tokenized once; a TRL plain-text prompt is tokenized as it is, with no template, and the
@@ -33,6 +37,7 @@ class Prompt:
     ids: tuple[int, ...]  # the rendered conversation, ending with the assistant header
     text: str  # content of the last user message: the reward program's "prompt"
     rubric: str | None
+    reference: str | None  # the answer an evaluation record ends with: the reward's "reference"
     source: str  # `file:line`
 
 
@@ -48,46 +53,55 @@ class Prompts(tuple):
         return self
 
 
-def load_prompts(path: str | Path, chat: ChatFormat, *, max_tokens: int | None = None) -> Prompts:
+def load_prompts(path: str | Path, chat: ChatFormat, *, max_tokens: int | None = None,
+                 evaluation: bool = False) -> Prompts:
+    """`evaluation`: a held-out file, whose chat records may end with their reference answer."""
     path = Path(path)
     shape, items = shaped(read_records(path, EXTENSIONS.get(path.suffix.lower(), "jsonl")), "prompt")
-    prompts = [_prompt(path, where, item, chat, max_tokens) for where, item in items]
+    prompts = [_prompt(path, where, item, chat, max_tokens, evaluation) for where, item in items]
     if not prompts:
         raise DataError(f"{path}: empty dataset (no prompts)")
-    return Prompts(prompts, f"{path.name} ({shape.name}, {count(len(prompts), 'record')})")
+    references = sum(p.reference is not None for p in prompts)
+    told = f'; {references:,} with a reference answer, which the reward receives as "reference"'
+    return Prompts(prompts, f"{path.name} ({shape.name}, {count(len(prompts), 'record')}{told if references else ''})")
 
 
-def _prompt(path: Path, where: str, item: Chat | Plain, chat: ChatFormat, max_tokens: int | None) -> Prompt:
+def _prompt(path: Path, where: str, item: Chat | Plain, chat: ChatFormat, max_tokens: int | None,
+            evaluation: bool) -> Prompt:
     record = item.extra if isinstance(item, Plain) else item.record
     rubric = record.get("rubric")
     if rubric is not None and (not isinstance(rubric, str) or not rubric.strip()):
         raise DataError(f'{where}: "rubric" must be a non-empty string, got {rubric!r}')
     if isinstance(item, Plain):
-        ids, text = chat.tokenizer.encode(item.prompt), item.prompt
+        ids, text, reference = chat.tokenizer.encode(item.prompt), item.prompt, None
     else:
-        ids, text = _chat_prompt(path, where, item, chat)
+        ids, text, reference = _chat_prompt(path, where, item, chat, evaluation)
     if max_tokens is not None and len(ids) > max_tokens:
         raise DataError(
             f"{where}: the prompt is {len(ids)} tokens, more than the {max_tokens} that leave room to answer"
         )
-    return Prompt(tuple(ids), text, rubric, where)
+    return Prompt(tuple(ids), text, rubric, reference, where)
 
 
-def _chat_prompt(path: Path, where: str, item: Chat, chat: ChatFormat) -> tuple[list[int], str]:
+def _chat_prompt(path: Path, where: str, item: Chat, chat: ChatFormat,
+                 evaluation: bool) -> tuple[list[int], str, str | None]:
     chat.require_template(path)
     conv = parse_conversation(item.record, where)
     if conv.has_tools:
         raise DataError(
             f"{where}: tools and tool messages belong in SFT tool records; a prompt has system, user and assistant messages"
         )
-    last = conv.messages[-1]
+    messages, reference = list(conv.messages), None
+    if evaluation and messages[-1]["role"] == "assistant":  # turns alternate, so a user turn precedes it
+        reference = messages.pop()["content"]
+    last = messages[-1]
     if last["role"] != "user":
         raise DataError(
             f"{where}: does not end with a user message (the last is {last['role']}); the model answers the last user turn"
         )
-    rendered = chat.render(list(conv.messages), add_generation_prompt=True, where=where)
+    rendered = chat.render(messages, add_generation_prompt=True, where=where)
     ids, _ = chat.tokenize(rendered, where)
-    return ids, last["content"]
+    return ids, last["content"], reference
 
 
 def completion_seed(base: int, stream_position: int, member: int) -> int:

@@ -99,7 +99,9 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
         reporter.message(f"prompts: {prompts.description}")
         eval_prompts = ()
         if cfg.evaluation:
-            eval_prompts = evenly_spaced(load_prompts(cfg.evaluation.data, chat, max_tokens=budget), cfg.evaluation.max_examples)
+            held_out = load_prompts(cfg.evaluation.data, chat, max_tokens=budget, evaluation=True)
+            reporter.message(f"evaluation: {held_out.description}")
+            eval_prompts = evenly_spaced(held_out, cfg.evaluation.max_examples)
         setup = prepare(cfg, reporter, chat)
         t0, r0 = time.perf_counter(), rss_bytes()
         with on_rank_zero(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
@@ -286,5 +288,6 @@ class GRPORollouts:
         g = self.g
         requests = [GroupRequest(p.ids, [completion_seed(g.sampling.seed + 1, i, 0)], self.sampling) for i, p in enumerate(self.eval_prompts)]
         completions = [group[0] for group in self.sampler.generate(requests)]
-        rewards = self.reward.score([p.text for p in self.eval_prompts], [self._text(c.tokens) for c in completions])
+        rewards = self.reward.score([p.text for p in self.eval_prompts], [self._text(c.tokens) for c in completions],
+                                    [p.reference for p in self.eval_prompts])
         return reward_evaluation(update, g.updates, rewards)

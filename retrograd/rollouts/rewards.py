@@ -5,8 +5,9 @@ Every reward is a `Reward`: `score(prompts, completions) -> rewards` for one bat
 template markup (`prompt_of`), exactly what retrograd's reward programs expect, so they run unchanged.
 
 Reward command protocol (retrograd-reward/1), one JSON object per line on each side:
-- we send `{"prompt": ..., "completion": ...}` per answer; the program replies `{"reward": <finite>}`
-  per request, in order. Its argv runs directly, never through a shell; a program path with a slash
+- we send `{"prompt": ..., "completion": ...}` per answer, plus `"reference"` (the answer a held-out
+  record ends with) where the prompt has one; the program replies `{"reward": <finite>}` per request,
+  in order. Its argv runs directly, never through a shell; a program path with a slash
   resolves against the working directory, a bare name against PATH.
 - persistent (default): one worker for the whole run. It must echo the handshake
   `{"protocol":"retrograd-reward/1"}`; each request carries `_retrograd_batch` / `_retrograd_index`
@@ -53,6 +54,9 @@ _STDERR_TAIL_LINES = 5
 _EXCERPT_CHARS = 120
 
 
+References = Sequence[str | None] | None
+
+
 class RewardError(RetrogradError):
     """A reward program or function failed, or cannot be set up; the message names it and the cause."""
 
@@ -61,8 +65,9 @@ class Reward(abc.ABC):
     """One batch in, one finite reward per completion out, in order."""
 
     @abc.abstractmethod
-    def score(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """The rewards of `completions` (each answering the prompt at the same index)."""
+    def score(self, prompts: list[str], completions: list[str], references: References = None) -> list[float]:
+        """The rewards of `completions` (each answering the prompt at the same index, whose
+        reference answer is at that index of `references`: None where it has none)."""
 
     def close(self) -> None:
         """Release what the reward holds (a worker process); scoring again afterwards starts afresh."""
@@ -106,16 +111,18 @@ def make_reward(
 
 class FunctionReward(Reward):
     """A Python function `f(prompts: list[str], completions: list[str]) -> list[float]` scores a whole
-    batch at once, like a TRL reward function."""
+    batch at once, like a TRL reward function; a batch with reference answers also passes
+    `reference=` (a list, None where a prompt has none), as TRL passes a dataset's columns."""
 
     def __init__(self, spec: str):
         self.spec = spec
         self._function = _load_function(spec)
 
-    def score(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def score(self, prompts: list[str], completions: list[str], references: References = None) -> list[float]:
         assert len(prompts) == len(completions)
+        columns = {"reference": list(references)} if references and any(r is not None for r in references) else {}
         try:
-            result = self._function(list(prompts), list(completions))
+            result = self._function(list(prompts), list(completions), **columns)
         except Exception as exc:  # any failure of user code ends the run with one line naming it
             raise RewardError(
                 f"reward function {self.spec!r} raised {type(exc).__name__}: {_one_line(str(exc))}"
@@ -216,7 +223,7 @@ class PersistentCommandReward(CommandReward):
         self._process: _Process | None = None
         self._batch = 0
 
-    def score(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def score(self, prompts: list[str], completions: list[str], references: References = None) -> list[float]:
         assert len(prompts) == len(completions)
         if not completions:
             return []
@@ -225,7 +232,7 @@ class PersistentCommandReward(CommandReward):
             if self._process is None:
                 self._process = _Process(self.argv, self.timeout_seconds)
                 self._handshake(deadline)
-            return self._exchange(prompts, completions, deadline)
+            return self._exchange(_requests(prompts, completions, references), deadline)
         except _Failure as failure:
             process, self._process = self._process, None
             raise self._error(process, failure) from None
@@ -252,16 +259,13 @@ class PersistentCommandReward(CommandReward):
                 'protocol; set reward_mode = "oneshot", or make it echo the handshake'
             ) from None
 
-    def _exchange(self, prompts: list[str], completions: list[str], deadline: float) -> list[float]:
-        process, batch, n = self._process, self._batch, len(completions)
+    def _exchange(self, requests: list[dict], deadline: float) -> list[float]:
+        process, batch, n = self._process, self._batch, len(requests)
         if (stray := process.line_now()) is not None:
             raise _Failure(f"printed a line after batch {batch - 1} ended: {_excerpt(stray)}")
-        requests = [
-            {"prompt": prompt, "completion": completion, "_retrograd_batch": batch, "_retrograd_index": index}
-            for index, (prompt, completion) in enumerate(zip(prompts, completions))
-        ]
+        numbered = [request | {"_retrograd_batch": batch, "_retrograd_index": i} for i, request in enumerate(requests)]
         end = {"_retrograd_batch_end": batch}
-        process.send(b"".join(map(_json_line, [*requests, end])))
+        process.send(b"".join(map(_json_line, [*numbered, end])))
         rewards = []
         for index in range(n):
             request = f"request {index + 1} of {n} (batch {batch})"
@@ -278,7 +282,7 @@ class PersistentCommandReward(CommandReward):
 class OneshotCommandReward(CommandReward):
     """A fresh process per batch reads every request, then answers (reward_mode = "oneshot")."""
 
-    def score(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def score(self, prompts: list[str], completions: list[str], references: References = None) -> list[float]:
         assert len(prompts) == len(completions)
         if not completions:
             return []
@@ -286,9 +290,7 @@ class OneshotCommandReward(CommandReward):
         process = None
         try:
             process = _Process(self.argv, self.timeout_seconds)
-            requests = [
-                {"prompt": prompt, "completion": completion} for prompt, completion in zip(prompts, completions)
-            ]
+            requests = _requests(prompts, completions, references)
             process.send(b"".join(map(_json_line, requests)))
             process.close_stdin()
             rewards = self._answers(process, len(requests), deadline)
@@ -312,6 +314,13 @@ class OneshotCommandReward(CommandReward):
         if len(rewards) < n:
             raise _Failure(f"{process.how_output_ended()} after printing {len(rewards)} answers for {n} requests")
         return rewards
+
+
+def _requests(prompts: list[str], completions: list[str], references: References) -> list[dict]:
+    """The protocol's requests: prompt and completion, and the reference answer where there is one."""
+    references = references or [None] * len(prompts)
+    return [{"prompt": prompt, "completion": completion} | ({"reference": reference} if reference is not None else {})
+            for prompt, completion, reference in zip(prompts, completions, references, strict=True)]
 
 
 def _awaited_in_oneshot(answered: int, n: int) -> str:
