@@ -19,7 +19,7 @@ from retrograd.config import load_config
 from retrograd.data import load_prompts
 from retrograd.gguf.adapter import read_adapter
 from retrograd.lora import attach_lora
-from retrograd.objectives.distill import teacher_advantages
+from retrograd.objectives.distill import teacher_diagnostics
 from retrograd.recipes import distill
 from retrograd.recipes.common import load_adapter_weights, open_chat
 from retrograd.recipes.distill import on_policy
@@ -73,14 +73,15 @@ def records(path: Path) -> list[dict]:
 def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model, monkeypatch):
     """llama.cpp teacher, two epochs per update (the clipped surrogate), KL to the base,
     held-out evaluation with a best checkpoint: every output a user looks at exists, and the
-    per-update diagnostics are what their definitions give on the update's tokens."""
-    seen = []  # (teacher_logp, behaviour_logp, mask, weight_clip) of each update
+    per-update diagnostics are what their definitions give on the update's tokens, with the
+    student's log-probs torch's before the update (rollouts.jsonl's policy_logprobs)."""
+    seen = []  # (teacher_logp, proximal_logp, mask, weight_clip) of each update
 
-    def spy(teacher_logp, behaviour_logp, mask, weight_clip, *args, **kw):
-        seen.append((teacher_logp.clone(), behaviour_logp.clone(), mask.clone(), weight_clip))
-        return teacher_advantages(teacher_logp, behaviour_logp, mask, weight_clip, *args, **kw)
+    def spy(teacher_logp, proximal_logp, mask, weight_clip):
+        seen.append((teacher_logp.clone(), proximal_logp.clone(), mask.clone(), weight_clip))
+        return teacher_diagnostics(teacher_logp, proximal_logp, mask, weight_clip)
 
-    monkeypatch.setattr(on_policy, "teacher_advantages", spy)
+    monkeypatch.setattr(on_policy, "teacher_diagnostics", spy)
     cfg = write_config(
         tmp_path,
         tiny_model("llama"),
@@ -96,20 +97,23 @@ def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model, monkeypatch):
     assert len(updates) == 2
     rollouts = records(tmp_path / "out/rollouts.jsonl")
     assert len(seen) == 2
-    for u, (r, (teacher, behaviour, mask, clip)) in enumerate(zip(updates, seen)):
+    for u, (r, (teacher, proximal, mask, clip)) in enumerate(zip(updates, seen)):
         assert clip == 2.0
-        gap = (teacher - behaviour)[mask.bool()].double().numpy()  # [n] log p_T - log p_S per sampled token
+        gap = (teacher - proximal)[mask.bool()].double().numpy()  # [n] log p_T - log p_S per sampled token
         divergence = -np.clip(gap, -clip, clip)
         assert r["distill/teacher_kl_mean"] == pytest.approx(divergence.mean(), rel=1e-6, abs=1e-9)
         assert r["distill/teacher_kl_p95"] == pytest.approx(np.percentile(divergence, 95), rel=1e-6, abs=1e-9)
         assert r["distill/advantage_clipped_fraction"] == np.mean(np.abs(gap) > clip)
         # two random tiny models disagree a lot: the clamp binds on some tokens, not all
         assert 0 < r["distill/advantage_clipped_fraction"] < 1
-        # the same tokens as rollouts.jsonl's per-completion means (unclamped, log p_S - log p_T)
+        # the same tokens and log-probs as rollouts.jsonl; its per-completion teacher_kl_mean is
+        # the sampler's (unclamped, log p_llama.cpp - log p_T)
         written = [x for x in rollouts if x["update"] == u + 1]
-        assert sum(x["tokens"] for x in written) == len(gap)
-        total = sum(x["tokens"] * x["teacher_kl_mean"] for x in written)
-        assert total == pytest.approx(-gap.sum(), rel=1e-5, abs=1e-4)
+        logged = np.concatenate([np.subtract(x["teacher_logprobs"], x["policy_logprobs"]) for x in written])
+        np.testing.assert_allclose(gap, logged, rtol=0, atol=1e-6)
+        for x in written:
+            sampler_gap = np.subtract(x["sampler_logprobs"], x["teacher_logprobs"])
+            assert x["teacher_kl_mean"] == pytest.approx(sampler_gap.mean(), rel=1e-6)
         for key in ("policy/kl", "policy/clip_fraction", "completions/truncation_fraction", "timing/teacher_seconds"):
             assert key in r, key
     assert updates[1]["policy/kl"] > 0  # the adapter moved away from the base after the first update

@@ -10,8 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from retrograd.objectives.distill import generalized_jsd, teacher_advantages, topk_cross_entropy
+from retrograd.objectives.distill import generalized_jsd, teacher_advantages, teacher_diagnostics, topk_cross_entropy
 from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, policy_loss
+from retrograd.recipes.distill.on_policy import TeacherSample
+from retrograd.teacher import TeacherScores
+from retrograd.training.scoring import Rollout
 
 N, K, V = 6, 4, 11
 
@@ -38,9 +41,10 @@ def test_teacher_advantages_and_metrics():
     teacher = torch.tensor([[-0.5, -9.0, -1.0, 0.0], [-2.0, -0.1, -3.0, -1.0]], dtype=torch.float64)
     student = torch.tensor([[-1.5, -1.0, -0.2, -4.0], [-0.5, -7.5, -3.0, -1.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    advantages, diag = teacher_advantages(teacher, student, mask, weight_clip=5.0)
-    # teacher - student: 1.0, -8.0 (clipped to -5), -0.8, (masked) | -1.5, 7.4 (clipped to 5), 0.0, 0.0
-    expected = torch.tensor([[1.0, -5.0, -0.8, 0.0], [-1.5, 5.0, 0.0, 0.0]], dtype=torch.float64)
+    advantages = teacher_advantages(teacher, student, weight_clip=5.0)
+    diag = teacher_diagnostics(teacher, student, mask, weight_clip=5.0)
+    # teacher - student: 1.0, -8.0 (clipped to -5), -0.8, (masked: 4.0) | -1.5, 7.4 (clipped to 5), 0.0, 0.0
+    expected = torch.tensor([[1.0, -5.0, -0.8, 4.0], [-1.5, 5.0, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
     minus_a = [-1.0, 5.0, 0.8, 1.5, -5.0, 0.0, 0.0]
     assert diag["distill/teacher_kl_mean"] == pytest.approx(sum(minus_a) / 7)
@@ -55,7 +59,7 @@ def test_on_policy_distillation_is_ratio_one_reinforce():
     logp = (-torch.rand(3, 5, generator=g, dtype=torch.float64) * 4).requires_grad_(True)
     teacher = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 8
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 1, 1, 1, 0]], dtype=torch.bool)
-    advantages, _ = teacher_advantages(teacher, logp.detach(), mask, weight_clip=2.0)
+    advantages = teacher_advantages(teacher, logp.detach(), weight_clip=2.0)
     options = PolicyLossOptions(0.2, 0.28)
     loss, diag = policy_loss(logp, logp.detach(), advantages, mask, MinibatchCounts(3, 10, 7), options)
     loss.backward()
@@ -63,6 +67,61 @@ def test_on_policy_distillation_is_ratio_one_reinforce():
     torch.testing.assert_close(logp.grad, -gap / (3 * 7), rtol=0, atol=1e-12)
     assert diag["policy/ratio_min"] == diag["policy/ratio_max"] == 1.0
     assert diag["policy/clip_fraction"] == 0.0
+
+
+def expected_distillation_gradient(student_logits, stale_logp, teacher_logp, student_term: str) -> torch.Tensor:
+    """E over tokens x ~ mu (the stale sampler) of the gradient of one token's reverse-KL
+    loss, enumerated exactly, with TIS weight pi / mu (tis_cap 2, not reached) and
+    distill_epochs = 1 (ratio 1). The advantage is the one the policy update trains on
+    (`TeacherSample.advantages_given`, handed the proximal log-prob), or, for
+    student_term = "sampler", log T - log mu."""
+    theta = student_logits.clone().requires_grad_(True)
+    expected = torch.zeros_like(theta)
+    every = torch.ones(1, 1, dtype=torch.bool)
+    options = PolicyLossOptions(0.2, 0.28, tis_cap=2.0)
+    for x in range(len(theta)):
+        logp = theta.log_softmax(-1)[x].view(1, 1)
+        proximal, sampler = logp.detach(), stale_logp[x].view(1, 1)
+        sample = TeacherSample(Rollout(0, (0,), (x,)), None, sampler[0], TeacherScores(teacher_logp[x].view(1)), 5.0)
+        if student_term == "proximal":
+            advantages = sample.advantages_given(proximal[0]).view(1, 1)
+        else:
+            advantages = teacher_advantages(teacher_logp[x].view(1, 1), sampler, 5.0)
+        loss, diag = policy_loss(logp, proximal, advantages, every, MinibatchCounts(1, 1, 1), options,
+                                 sampler_logp=sampler)
+        assert diag["policy/tis_capped_fraction"] == 0.0
+        (grad,) = torch.autograd.grad(loss, theta)
+        expected += stale_logp[x].exp() * grad
+    return expected
+
+
+@pytest.mark.parametrize("drift", [0.0, 0.2])
+def test_stale_samples_with_tis_give_the_on_policy_reverse_kl_gradient(drift):
+    """An exact categorical probe (6 outcomes, float64) of asynchronous on-policy
+    distillation: tokens drawn from a stale adapter mu, trained with TIS weights pi / mu.
+    With the advantage log T - log pi (pi: the proximal policy, as trained) the expected
+    gradient of the loss is grad KL(pi || T), the on-policy one, to rounding; with
+    log T - log mu it would be grad KL(pi || T) - grad KL(pi || mu), 20% off at
+    KL(mu || pi) = 0.009."""
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(6, generator=g, dtype=torch.float64)  # the current adapter's logits
+    teacher = torch.randn(6, generator=g, dtype=torch.float64).log_softmax(-1)
+    stale = (student + drift * torch.randn(6, generator=g, dtype=torch.float64)).log_softmax(-1)  # the sampler's
+    theta = student.clone().requires_grad_(True)
+    logp = theta.log_softmax(-1)
+    kl_to_teacher = (logp.exp() * (logp - teacher)).sum()
+    (on_policy,) = torch.autograd.grad(kl_to_teacher, theta, retain_graph=True)  # grad KL(pi || T)
+    trained = expected_distillation_gradient(student, stale, teacher, "proximal")
+    torch.testing.assert_close(trained, on_policy, rtol=0, atol=1e-9)
+    sampler = expected_distillation_gradient(student, stale, teacher, "sampler")
+    (away_from_sampler,) = torch.autograd.grad((logp.exp() * (logp - stale)).sum(), theta)  # grad KL(pi || mu)
+    torch.testing.assert_close(sampler, on_policy - away_from_sampler, rtol=0, atol=1e-9)
+    relative_error = ((sampler - on_policy).norm() / on_policy.norm()).item()
+    kl_stale = (stale.exp() * (stale - logp.detach())).sum().item()
+    if drift:
+        assert kl_stale == pytest.approx(0.0093, abs=1e-4) and relative_error > 0.15, relative_error
+    else:
+        assert kl_stale == 0.0 and relative_error < 1e-12  # in step, the two advantages are one
 
 
 def test_topk_cross_entropy_matches_the_written_out_formula():

@@ -18,6 +18,7 @@ from retrograd.model.base import load_model
 from retrograd.recipes import grpo
 from retrograd.training.optim import Schedule, learning_rate
 from retrograd.training.report import SilentReporter
+from retrograd.training.rollout_step import logprob_mismatch
 
 # ----------------------------------------------------------------------------- the kernel
 
@@ -70,6 +71,29 @@ def test_replanned_schedule_ends_where_the_run_ends():
     assert step == 5 and total == 5
     assert rates[-1] == pytest.approx(learning_rate(4, lr=1.0, schedule="linear", warmup_steps=0, total_steps=5)) == pytest.approx(0.2)
     assert rates == sorted(rates, reverse=True)  # never rises
+
+
+# ----------------------------------------------------------------------------- the mismatch metric
+
+
+def test_logprob_mismatch_kl_is_unbiased_for_kl_from_the_sampler():
+    """policy/logprob_mismatch_kl on an exact categorical (8 outcomes, float64): the tokens
+    are llama.cpp's samples (q), torch scores them (p). Its expectation over q is
+    KL(q || p) to rounding; the estimator with the ratio the other way round (e^d - 1 - d,
+    d = log q - log p) has expectation chi^2(q || p) - KL(q || p) instead."""
+    g = torch.Generator().manual_seed(7)
+    llama = (torch.randn(8, generator=g, dtype=torch.float64) * 2).log_softmax(-1)  # q
+    torch_ = (llama + 0.8 * torch.randn(8, generator=g, dtype=torch.float64)).log_softmax(-1)  # p
+    kl = (llama.exp() * (llama - torch_)).sum().item()  # KL(q || p)
+    chi2 = ((llama - torch_).exp() * llama.exp()).sum().item() - 1  # sum q^2 / p - 1
+    per_token = [logprob_mismatch(llama[x].view(1), torch_[x].view(1)) for x in range(8)]  # one sampled token each
+    expected = sum(q * m["policy/logprob_mismatch_kl"] for q, m in zip(llama.exp().tolist(), per_token))
+    assert expected == pytest.approx(kl, rel=0, abs=1e-9)
+    d = llama - torch_
+    assert (llama.exp() * (d.exp() - 1 - d)).sum().item() == pytest.approx(chi2 - kl, abs=1e-12)
+    assert kl == pytest.approx(0.171, abs=1e-3) and chi2 - kl == pytest.approx(0.329, abs=1e-3)  # tells them apart
+    abs_mean = [m["policy/logprob_mismatch_abs_mean"] for m in per_token]
+    assert abs_mean == pytest.approx(d.abs().tolist(), abs=1e-15)
 
 
 # ----------------------------------------------------------------------------- a real run

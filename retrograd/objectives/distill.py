@@ -1,11 +1,12 @@
 """Distillation objectives (retrograd notes 4.4; peers notes 3.2).
 
 - On-policy: the teacher scores the student's own samples and each token gets the
-  advantage A_t = clamp(logp_teacher - logp_student_behaviour, +-weight_clip), fed to
-  `policy.policy_loss`. Its expectation over student samples is minus the reverse KL,
+  advantage A_t = clamp(logp_teacher - logp_student, +-weight_clip), fed to
+  `policy.policy_loss`, with logp_student torch's under the adapter before the update
+  (the proximal policy). Its expectation over student samples is minus the reverse KL,
   so the policy gradient descends KL(student || teacher) (Agarwal et al. 2024;
-  Thinking Machines, "On-Policy Distillation", 2025). With distill_epochs = 1 the
-  behaviour logprobs are the current policy's, the ratio is 1 and the clip never binds.
+  Thinking Machines, "On-Policy Distillation", 2025). With distill_epochs = 1 the ratio
+  is 1 and the clip never binds.
 - Offline top-k: cross-entropy against the teacher's top-k distribution.
 - GKD's generalized JSD, restricted to the teacher's top-k ids.
 
@@ -24,25 +25,39 @@ import torch
 
 
 def teacher_advantages(
-    teacher_logp: torch.Tensor,  # [B, T] teacher's logprob of the student's tokens
-    behaviour_logp: torch.Tensor,  # [B, T] student's logprob when it sampled them
+    teacher_logp: torch.Tensor,  # [...] teacher's logprob of the student's tokens
+    proximal_logp: torch.Tensor,  # [...] the student's, torch's before the update
+    weight_clip: float,
+) -> torch.Tensor:
+    """Per-token on-policy distillation advantages clamp(log p_T - log p_S, ±weight_clip),
+    detached, the shape of the inputs.
+
+    log p_S must be the policy being trained (the proximal policy), not the sampler's
+    log-prob: with samples from a sampler mu and the importance weight pi / mu (tis_cap),
+    E_mu[(pi / mu) A grad log pi] = E_pi[A grad log pi], which is -grad KL(pi || T) when A =
+    log T - log pi, but -grad KL(pi || T) + grad KL(pi || mu) when A = log T - log mu: an
+    asynchronous run's older sampling adapter would push the student away from itself."""
+    return (teacher_logp - proximal_logp).detach().clamp(-weight_clip, weight_clip)
+
+
+def teacher_diagnostics(
+    teacher_logp: torch.Tensor,  # [B, T]
+    proximal_logp: torch.Tensor,  # [B, T]
     mask: torch.Tensor,  # [B, T] trainable tokens
     weight_clip: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token on-policy distillation advantages [B, T] (zero off the mask, detached)
-    and distill/teacher_kl_mean (mean of -A over tokens, nats), distill/teacher_kl_p95
-    (its 95th percentile, linear interpolation) and distill/advantage_clipped_fraction."""
+) -> dict[str, float]:
+    """distill/teacher_kl_mean (mean of -A over tokens, nats), distill/teacher_kl_p95 (its
+    95th percentile, linear interpolation) and distill/advantage_clipped_fraction, for the
+    advantages A of `teacher_advantages`."""
     active = mask.bool()  # [B, T]
     assert active.any(), "on-policy distillation needs at least one trainable token"
-    gap = torch.where(active, teacher_logp - behaviour_logp, 0.0).detach()  # [B, T]
-    advantages = gap.clamp(-weight_clip, weight_clip)  # [B, T]
-    divergence = -advantages[active]  # [n_active]
-    diagnostics = {
+    gap = (teacher_logp - proximal_logp)[active].double()  # [n_active]
+    divergence = -teacher_advantages(teacher_logp, proximal_logp, weight_clip)[active].double()  # [n_active]
+    return {
         "distill/teacher_kl_mean": divergence.mean().item(),
-        "distill/teacher_kl_p95": torch.quantile(divergence.double(), 0.95).item(),
-        "distill/advantage_clipped_fraction": (gap[active].abs() > weight_clip).double().mean().item(),
+        "distill/teacher_kl_p95": torch.quantile(divergence, 0.95).item(),
+        "distill/advantage_clipped_fraction": (gap.abs() > weight_clip).double().mean().item(),
     }
-    return advantages, diagnostics
 
 
 def topk_cross_entropy(

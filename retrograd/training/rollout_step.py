@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, merge_diagnostics, policy_loss
+from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, k3_kl, merge_diagnostics, policy_loss
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.distributed import Ranks
 from retrograd.training.duty_cycle import DutyCycle
@@ -37,12 +37,18 @@ KL_DIVERGENCE_LIMIT = 50.0  # retrograd's divergence guard, on policy/kl (nats p
 @dataclass(frozen=True)
 class TrainSample:
     rollout: Rollout  # prompt, tokens and which of them the policy produced
-    advantages: torch.Tensor  # [] one per sample, or [n] one per scored token
+    advantages: torch.Tensor | None  # [] one per sample, [n] one per scored token, or None: see advantages_given
     sampler_logprobs: torch.Tensor  # [n] llama.cpp's log-probs of the scored tokens
 
     @property
     def n_scored(self) -> int:
         return self.sampler_logprobs.shape[0]
+
+    def advantages_given(self, proximal_logprobs: torch.Tensor) -> torch.Tensor:
+        """[n] per scored token, given torch's log-probs of them before the update (the
+        proximal policy). A sample whose advantages depend on the policy itself (on-policy
+        distillation's log p_T - log p_S) overrides this and carries advantages = None."""
+        return self.advantages.expand(self.n_scored)
 
 
 @dataclass(frozen=True)
@@ -107,11 +113,7 @@ class PolicyOptimizer:
         merged = merge_diagnostics(parts)
         for k in ("policy/surrogate_loss", "policy/kl_loss", "policy/total_loss"):
             merged[k] /= len(per_step)  # shares add up per step; report the update's mean step
-        # log p_llama.cpp - log p_torch on the sampled tokens, both at the sampling temperature
-        delta = torch.cat([s.sampler_logprobs - b for s, b in zip(samples, before)]).double()
-        merged |= {
-            "policy/logprob_mismatch_abs_mean": delta.abs().mean().item(),
-            "policy/logprob_mismatch_kl": (delta.exp() - 1 - delta).mean().item(),  # k3 estimate of KL(torch || llama.cpp)
+        merged |= logprob_mismatch(torch.cat([s.sampler_logprobs for s in samples]), torch.cat(before)) | {
             "optimizer/learning_rate": self.optimizer.param_groups[0]["lr"],
             "batch/trained_tokens": float(sum(s.n_scored for s in samples)),
         }
@@ -156,7 +158,7 @@ class PolicyOptimizer:
                         old[i] = filled[i] = logp[row][mask[row]].detach().float()
                 old_logp = padded([old[i] for i in chosen], mask)
                 sampler_logp = padded([samples[i].sampler_logprobs for i in chosen], mask)
-                advantages = padded([samples[i].advantages.expand(samples[i].n_scored) for i in chosen], mask)
+                advantages = padded([samples[i].advantages_given(old[i]) for i in chosen], mask)
                 loss, diag = policy_loss(
                     logp, old_logp, advantages, mask, counts, self.loss_options, beta=beta,
                     ref_logp=None if ref is None else padded([ref[i] for i in chosen], mask),
@@ -184,6 +186,18 @@ class PolicyOptimizer:
             self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         return parts
+
+
+def logprob_mismatch(sampler_logp: torch.Tensor, policy_logp: torch.Tensor) -> dict[str, float]:
+    """How far llama.cpp's log-probs of the tokens it sampled ([n]) are from torch's ([n]),
+    both at the sampling temperature. The tokens are llama.cpp's samples, so the k3
+    estimator with the ratio p_torch / p_llama.cpp is unbiased for KL(llama.cpp || torch)
+    (the ratio the other way round would estimate chi^2 - KL)."""
+    sampler_logp, policy_logp = sampler_logp.double(), policy_logp.double()
+    return {
+        "policy/logprob_mismatch_abs_mean": (sampler_logp - policy_logp).abs().mean().item(),
+        "policy/logprob_mismatch_kl": k3_kl(policy_logp, sampler_logp).mean().item(),
+    }
 
 
 def adapter_is_zero(adapter) -> bool:

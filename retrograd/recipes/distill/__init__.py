@@ -8,7 +8,8 @@ on_policy (on_policy.py), per update:
    templates may differ): log p_T of each token, and its top-k there for the JSD loss;
 3. with mask_truncated, completions that used the whole budget are left out;
 4. reverse_kl: per-token advantages A_t = clamp(log p_T - log p_S, +-weight_clip), with
-   log p_S the sampler's own log-probs (the behaviour policy), trained by the shared
+   log p_S torch's log-probs under the adapter before the update (the proximal policy,
+   not the sampler's: see objectives/distill.teacher_advantages), trained by the shared
    policy-gradient update (rollout_step.py; clipped surrogate when distill_epochs > 1,
    k3 KL to the base when kl_coefficient > 0, budget normalization);
    jsd: GKD's generalized JSD between the teacher's top-k and the student's log-probs at

@@ -16,7 +16,7 @@ from retrograd.config import Config
 from retrograd.data import Prompt, completion_seed, evenly_spaced, load_prompts, order_name, prompt_index
 from retrograd.errors import ConfigError
 from retrograd.memory import rss_bytes
-from retrograd.objectives.distill import generalized_jsd, teacher_advantages
+from retrograd.objectives.distill import generalized_jsd, teacher_advantages, teacher_diagnostics
 from retrograd.objectives.policy import PolicyLossOptions, k3_kl
 from retrograd.recipes.common import open_chat, open_rollout_sampler, prepare, resume_point, rollout_sampler_options
 from retrograd.recipes.distill.common import (
@@ -82,9 +82,15 @@ class Completion:
 @dataclass(frozen=True)
 class TeacherSample(TrainSample):
     """A training sample that carries the teacher's scores of its tokens (the jsd loss reads
-    their top-k)."""
+    their top-k). Its reverse-KL advantages need the student's log-probs before the update,
+    which the policy update computes: `advantages` is None."""
 
     teacher: TeacherScores
+    weight_clip: float
+
+    def advantages_given(self, proximal_logprobs: torch.Tensor) -> torch.Tensor:
+        teacher_logp = self.teacher.logprobs.to(proximal_logprobs.device)  # [n]
+        return teacher_advantages(teacher_logp, proximal_logprobs, self.weight_clip)
 
 
 def sampler_options(cfg: Config) -> SamplerOptions:
@@ -193,24 +199,16 @@ class OnPolicyRollouts:
     # ---------------------------------------------------------------- training samples
 
     def plan(self, batch: Batch, state: dict) -> TrainPlan:
-        """Per-token advantages clamp(log p_T - log p_S, ±weight_clip) of the completions
-        mask_truncated leaves in; a decision's advantage is its completion's mean."""
+        """The completions mask_truncated leaves in; their per-token advantages are made in
+        the update, from the student's log-probs before it (TeacherSample), so a decision
+        carries none."""
         d, completions = self.d, batch.rollouts
         trained = [k for k, c in enumerate(completions) if not (d.mask_truncated and c.truncated)]
-        samples, metrics = [], {}
-        if trained:
-            chosen = [completions[k] for k in trained]
-            teacher_logp, mask = padded([c.teacher.logprobs for c in chosen])  # [B, T]
-            sampler_logp, _ = padded([c.sampler_logprobs for c in chosen])  # [B, T]
-            advantages, metrics = teacher_advantages(teacher_logp, sampler_logp, mask, d.weight_clip)  # [B, T]
-            samples = [TeacherSample(c.rollout, advantages[i, : len(c.tokens)], c.sampler_logprobs, c.teacher)
-                       for i, c in enumerate(chosen)]
-        mean_advantage = {k: s.advantages.mean().item() for k, s in zip(trained, samples)}
-        decisions = tuple(
-            Decision(mean_advantage[k], True) if k in mean_advantage else Decision(0.0, False, "truncated")
-            for k in range(len(completions))
-        )
-        metrics |= {"batch/trained_fraction": len(trained) / len(completions)}
+        samples = [TeacherSample(completions[k].rollout, None, completions[k].sampler_logprobs, completions[k].teacher,
+                                 d.weight_clip) for k in trained]
+        decisions = tuple(Decision(0.0, True) if k in trained else Decision(0.0, False, "truncated")
+                          for k in range(len(completions)))
+        metrics = {"batch/trained_fraction": len(trained) / len(completions)}
         return TrainPlan(
             tuple(samples), tuple(trained), decisions, metrics, beta=d.kl_coefficient, state=state,
             note="every completion was truncated (distill.mask_truncated); nothing to train",
@@ -224,7 +222,8 @@ class OnPolicyRollouts:
         d = self.d
         result = self.policy.update(update, samples, beta=beta, epochs=d.distill_epochs, minibatches=1,
                                     budget_tokens=d.sampling.max_new_tokens, timing=clock)
-        return replace(result, diagnostics=result.diagnostics | {"train/loss": result.diagnostics["policy/total_loss"]})
+        teacher = self.teacher_diagnostics(samples, result.policy_logprobs)
+        return replace(result, diagnostics=result.diagnostics | teacher | {"train/loss": result.diagnostics["policy/total_loss"]})
 
     def train_jsd(self, update: int, samples: list[TeacherSample], beta: float, clock: PhaseClock) -> UpdateResult:
         """GKD's generalized JSD over the teacher's top-k at each sampled position (+ beta x
@@ -274,8 +273,16 @@ class OnPolicyRollouts:
                 policy.global_step += 1
                 per_step.append(step)
         means = {k: sum(s[k] / d.distill_epochs for s in per_step) for k in per_step[0]}
-        diagnostics = means | {"optimizer/learning_rate": lr, "batch/trained_tokens": float(n_tokens)}
+        diagnostics = means | self.teacher_diagnostics(samples, before) | {
+            "optimizer/learning_rate": lr, "batch/trained_tokens": float(n_tokens)}
         return UpdateResult(diagnostics, per_step, before)
+
+    def teacher_diagnostics(self, samples: list[TeacherSample], proximal: list[torch.Tensor]) -> dict:
+        """distill/teacher_kl_* and the clipped fraction of the update's tokens, from the
+        student's log-probs before the update (`proximal`, one [n] per sample)."""
+        teacher_logp, mask = padded([s.teacher.logprobs for s in samples])  # [B, T]
+        proximal_logp, _ = padded(proximal)  # [B, T]
+        return teacher_diagnostics(teacher_logp, proximal_logp, mask, self.d.weight_clip)
 
     # ---------------------------------------------------------------- reporting, evaluation
 
