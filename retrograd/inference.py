@@ -281,23 +281,51 @@ class Generation:
 
 class _StopStrings:
     """Cuts a text stream before the first stop string, holding back a tail that might
-    still become one."""
+    still become one. Each stop is matched as the text streams by, one character at a time
+    (Knuth-Morris-Pratt), so a piece costs time linear in its length and the held tail,
+    however long the stops are."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
+        self.fallbacks = [_longest_borders(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)  # per stop: its longest prefix the stream ends with
         self.pending = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was reached)."""
+        start = len(self.pending)
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+        cut = None
+        for i, (stop, fallback) in enumerate(zip(self.stops, self.fallbacks)):
+            matched = self.matched[i]
+            for offset, char in enumerate(text):
+                while matched and stop[matched] != char:
+                    matched = fallback[matched - 1]
+                matched += stop[matched] == char
+                if matched == len(stop):
+                    begins = start + offset + 1 - len(stop)
+                    cut = begins if cut is None else min(cut, begins)
+                    break
+            self.matched[i] = matched
+        if cut is not None:
+            out, self.pending = self.pending[:cut], ""
             return out, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        hold = max(self.matched, default=0)
         out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold :]
         return out, False
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def _longest_borders(text: str) -> list[int]:
+    """For each prefix text[:k + 1], the length of its longest proper prefix that is also its
+    suffix (where a match of `text` falls back to when the next character differs)."""
+    borders = [0] * len(text)
+    for k in range(1, len(text)):
+        border = borders[k - 1]
+        while border and text[k] != text[border]:
+            border = borders[border - 1]
+        borders[k] = border + (text[k] == text[border])
+    return borders
