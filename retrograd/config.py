@@ -307,6 +307,7 @@ ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "gen
 # Passes over the data of one update, per rollout algorithm: training.epochs is SFT's.
 ROLLOUT_EPOCH_KEYS = {"grpo": "grpo.grpo_epochs", "agent_grpo": "agent.epochs_per_update",
                       "distill": "distill.distill_epochs (on_policy) or distill.offline_epochs (topk_offline)"}
+ASYNC_TIS_CAP = 2.0  # the tis_cap of an asynchronous run that sets none (a note says so at start-up)
 # Rust retrograd keys that have nothing to do here: accepted, so its configs run unchanged, with a note.
 ACCEPTED_WITH_NOTE = {
     "training.master_weights": "the LoRA weights are always float32 and the base stays frozen, so there is no master copy to keep",
@@ -403,6 +404,8 @@ def parse_config(doc: dict, path: Path) -> Config:
 
     if not problems:
         _cross_checks(sections, algorithm, explicit, problems)
+    if not problems and sections["training"].max_async_rollout:
+        _default_tis_cap(sections, algorithm, notes)
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))
     return Config(path=path.resolve(), explicit=frozenset(explicit), notes=tuple(notes), **sections)
@@ -499,6 +502,22 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append(f"checkpoint.mode = {ckpt.mode!r} needs an [evaluation] section")
         if ckpt.resume_from is not None and s["lora"].init_adapter is not None:
             problems.append("checkpoint.resume_from and lora.init_adapter exclude each other")
+
+
+def _default_tis_cap(s: dict, algorithm: str, notes: list[str]) -> None:
+    """An asynchronous run samples with an adapter older than the one it trains: without
+    truncated importance sampling its updates would be off-policy and uncorrected, so one
+    that sets no tis_cap gets ASYNC_TIS_CAP, said in a note. GKD's JSD needs none: it compares
+    whole top-k distributions at each sampled position, and an older sampler only changes
+    which positions those are (README: Scaling out)."""
+    name = {"grpo": "grpo", "agent_grpo": "agent", "distill": "distill"}[algorithm]
+    section = s[name]
+    if section.tis_cap is not None or (name == "distill" and section.loss != "reverse_kl"):
+        return
+    s[name] = dataclasses.replace(section, tis_cap=ASYNC_TIS_CAP)
+    notes.append(f"training.max_async_rollout = {s['training'].max_async_rollout} without {name}.tis_cap: using "
+                 f"{name}.tis_cap = {ASYNC_TIS_CAP:g} to correct for the older adapter that sampled each batch "
+                 f"(set {name}.tis_cap to choose the cap)")
 
 
 def _truncated_sampling(key: str, value: float, remedy: str = "") -> str:

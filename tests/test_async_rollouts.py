@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_grpo import metrics, one_line_error, write_config
 
@@ -20,9 +21,11 @@ from retrograd.training.timeline import TIMELINE_COUNTERS, read_timeline
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 
 
-def run_grpo(tmp: Path, model: Path, *, ahead: int, updates: int = 4, extra: str = "", reward: str | None = None):
+def run_grpo(tmp: Path, model: Path, *, ahead: int, updates: int = 4, extra: str = "", reward: str | None = None,
+             grpo_extra: str = ""):
     training = f'compute_dtype = "f32"\ngeneration_threads = 1\nmax_async_rollout = {ahead}'
-    cfg = one_thread(write_config(tmp, model, updates=updates, training=training, reward_name="length", extra=extra, reward=reward))
+    cfg = one_thread(write_config(tmp, model, updates=updates, training=training, reward_name="length", extra=extra,
+                                  reward=reward, grpo_extra=grpo_extra))
     return grpo.run(load_config(cfg), SilentReporter())
 
 
@@ -72,13 +75,14 @@ def test_the_timeline_has_both_sides_and_counters_per_update(async_run):
 
 def test_first_update_equals_the_synchronous_run_and_n1_is_reproducible(async_run, tmp_path, tiny_model):
     """Update 1 samples with the same (initial) adapter in both modes, so its rollouts are the
-    same; later updates differ (they sample one adapter behind). At N = 1 the producer always
+    same, and so is its loss once the synchronous run sets the cap the asynchronous one gets by
+    default; later updates differ (they sample one adapter behind). At N = 1 the producer always
     samples update u with the adapter of update u - 1, so a second run repeats the first."""
     tmp, _ = async_run
     model = tiny_model("llama")
     (tmp_path / "sync").mkdir()
     (tmp_path / "again").mkdir()
-    run_grpo(tmp_path / "sync", model, ahead=0)
+    run_grpo(tmp_path / "sync", model, ahead=0, grpo_extra="tis_cap = 2.0")
     run_grpo(tmp_path / "again", model, ahead=1)
     first = metrics(tmp / "out/rollouts.jsonl")
     sync = metrics(tmp_path / "sync/out/rollouts.jsonl")
@@ -116,6 +120,8 @@ def test_resume_under_async_restarts_the_producer_and_says_so(tmp_path, tiny_mod
                             extra='[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 1'))
     first = subprocess.run([*RETROGRAD, "train", "grpo.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert first.returncode == 0, first.stderr
+    note = "note: training.max_async_rollout = 1 without grpo.tis_cap: using grpo.tis_cap = 2"
+    assert note in first.stdout + first.stderr
     assert [r["rollouts/staleness"] for r in update_rows(tmp_path / "out/metrics.jsonl")] == [0, 1, 1]
     r = subprocess.run([*RETROGRAD, "train", "grpo.toml", "--resume-from", "ckpt/step-000000000002.state"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
@@ -148,22 +154,107 @@ def test_timeline_of_a_synchronous_run_names_the_larger_side(tmp_path, tiny_mode
     json.dumps(verdict)
 
 
-def test_on_policy_distillation_runs_ahead_with_truncated_importance_sampling(tmp_path, tiny_model):
-    """The teacher scores in the producer thread too; tis_cap weighs each token by how much
-    likelier the current adapter makes it than the adapter that sampled it."""
+def run_distill(tmp: Path, tiny_model, *, ahead: int, distill_keys: str = ""):
+    """Three updates of tests/test_distill.py's tiny llama pair; weight_clip 30 never binds, so
+    every advantage keeps its student term. Returns the config, the update rows and the
+    rollout records."""
     from test_distill import write_config as write_distill
 
     from retrograd.recipes import distill
 
-    cfg = one_thread(write_distill(tmp_path, tiny_model("llama"), tiny_model("qwen2"), updates=3,
-                                   distill_keys="tis_cap = 2.0\ndistill_epochs = 2"))
-    cfg.write_text(cfg.read_text().replace("[distill]", "max_async_rollout = 1\ngeneration_threads = 1\n[distill]"))
-    result = distill.run(load_config(cfg), SilentReporter())
-    rows = [r for r in metrics(tmp_path / "out/metrics.jsonl") if "train/loss" in r]
-    assert result.updates_done == 3 and [r["rollouts/staleness"] for r in rows] == [0, 1, 1]
-    # sampled by an adapter one update old, so the weights are not all 1
-    assert all(0 < r["policy/tis_weight_mean"] for r in rows) and any(r["policy/tis_weight_mean"] != 1.0 for r in rows[1:])
-    assert (tmp_path / "out/timeline.jsonl").is_file()
+    cfg = one_thread(write_distill(tmp, tiny_model("llama"), tiny_model("llama", seed=1), updates=3,
+                                   distill_keys=f"weight_clip = 30.0\n{distill_keys}"))
+    training = f"max_async_rollout = {ahead}\ngeneration_threads = 1\n"
+    cfg.write_text(cfg.read_text().replace("[distill]", training + "[distill]"))
+    config = load_config(cfg)
+    result = distill.run(config, SilentReporter())
+    assert result.updates_done == result.steps == 3
+    rows = [r for r in metrics(tmp / "out/metrics.jsonl") if "train/loss" in r]
+    return config, rows, metrics(tmp / "out/rollouts.jsonl")
+
+
+def recomputed_update(rows: list[dict], rollouts: list[dict], config) -> list[dict]:
+    """Each update's TIS weights and loss recomputed from rollouts.jsonl (float64) and checked
+    against metrics.jsonl: w = min(p_torch / p_sampler, tis_cap) with p_torch the adapter
+    before the update, advantages log p_T - log p_torch, loss -sum w A / (samples x
+    max_new_tokens) at ratio 1 (distill_epochs = 1). Returns what the test needs per update:
+    |log w|, and what an inverted ratio or the sampler-relative advantage would have logged."""
+    d, out = config.distill, []
+    for row in rows:
+        records = [r for r in rollouts if r["update"] == row["train/update"]]
+        policy, sampler, teacher = (np.concatenate([r[k] for r in records]).astype(np.float64)
+                                    for k in ("policy_logprobs", "sampler_logprobs", "teacher_logprobs"))
+        log_w = policy - sampler
+        weights = np.minimum(np.exp(log_w), d.tis_cap)
+        denominator = len(records) * d.sampling.max_new_tokens
+
+        def loss(student: np.ndarray) -> float:  # with advantages log p_T - log p_student
+            return -(weights * np.clip(teacher - student, -d.weight_clip, d.weight_clip)).sum() / denominator
+
+        assert row["policy/tis_weight_mean"] == pytest.approx(weights.mean(), rel=1e-6)
+        assert row["policy/tis_capped_fraction"] == np.mean(np.exp(log_w) >= d.tis_cap)
+        assert row["train/loss"] == pytest.approx(loss(policy), rel=1e-5)
+        out.append({"abs_log_w": np.abs(log_w).mean(), "staleness": row["rollouts/staleness"],
+                    "inverted_error": abs(np.minimum(np.exp(-log_w), d.tis_cap).mean() - weights.mean()),
+                    "sampler_advantage_error": abs(loss(sampler) / loss(policy) - 1)})
+    return out
+
+
+def test_on_policy_distillation_runs_ahead_with_the_stale_sampler_corrected(tmp_path, tiny_model):
+    """max_async_rollout = 1 without distill.tis_cap: the default cap applies, said in a note.
+    Updates 2 and 3 sample with the adapter one update old: their TIS weights are those of
+    the current adapter over the sampling one (recomputed from rollouts.jsonl), far from 1
+    next to update 1's (sampled with the adapter it trains: only the llama.cpp/torch
+    mismatch), and the loss takes its advantages from the current adapter. The checks tell
+    an inverted ratio and the sampler-relative advantage apart (by > 10x their tolerance)."""
+    config, rows, rollouts = run_distill(tmp_path, tiny_model, ahead=1)
+    assert config.distill.tis_cap == 2.0
+    assert any("without distill.tis_cap: using distill.tis_cap = 2" in note for note in config.notes)
+    updates = recomputed_update(rows, rollouts, config)
+    assert [u["staleness"] for u in updates] == [0, 1, 1]
+    in_step, stale = updates[0], updates[1:]
+    assert in_step["abs_log_w"] < 0.01 and all(u["abs_log_w"] > 5 * in_step["abs_log_w"] for u in stale)
+    assert max(u["inverted_error"] for u in stale) > 1e-5 and max(u["sampler_advantage_error"] for u in stale) > 1e-4
+
+
+def test_a_synchronous_distillation_run_has_weights_of_one_within_the_mismatch(tmp_path, tiny_model):
+    """The same run with max_async_rollout = 0 and tis_cap = 2 set: every batch is sampled by
+    the adapter being trained, so |log w| is only llama.cpp's difference from torch."""
+    config, rows, rollouts = run_distill(tmp_path, tiny_model, ahead=0, distill_keys="tis_cap = 2.0")
+    assert config.notes == ()
+    updates = recomputed_update(rows, rollouts, config)
+    assert all(u["staleness"] == 0 and u["abs_log_w"] < 0.01 for u in updates)
+    assert all(abs(r["policy/tis_weight_mean"] - 1) < 0.01 for r in rows)
+
+
+@pytest.mark.parametrize("algorithm,section,expected", [
+    ("grpo", "grpo", 2.0),
+    ("agent_grpo", "agent", 2.0),
+    ("distill", "distill", 2.0),
+    ("jsd", "distill", None),  # GKD's JSD compares whole top-k distributions: no ratio to correct
+    ("explicit", "grpo", 3.0),
+    ("synchronous", "grpo", None),
+])
+def test_an_asynchronous_run_without_tis_cap_gets_the_default_with_a_note(tmp_path, algorithm, section, expected):
+    grpo = ('[run]\nalgorithm = "grpo"\n[grpo]\nprompts = "p.jsonl"\nreward_function = "r.py:f"\nupdates = 1\n'
+            'prompts_per_update = 1\ngroup_size = 2\ngrpo_epochs = 1\nclip_range_low = 0.2\nclip_range_high = 0.2\n'
+            'kl_coefficient = 0\n{cap}[grpo.sampling]\nmax_new_tokens = 8\n')
+    distill = ('[run]\nalgorithm = "distill"\n[distill]\nteacher_path = "t.gguf"\nprompts = "p.jsonl"\nupdates = 1\n'
+               'prompts_per_update = 1\n{loss}[distill.sampling]\nmax_new_tokens = 8\n')
+    text = {
+        "grpo": grpo.format(cap=""), "explicit": grpo.format(cap="tis_cap = 3.0\n"), "synchronous": grpo.format(cap=""),
+        "agent_grpo": '[run]\nalgorithm = "agent_grpo"\n[agent]\nscenarios = "s.jsonl"\n'
+                      '[agent.judge]\ncommand = ["j"]\n',
+        "distill": distill.format(loss=""), "jsd": distill.format(loss='loss = "jsd"\n'),
+    }[algorithm]
+    ahead = 0 if algorithm == "synchronous" else 2
+    training = f'[output]\npath = "out/a.gguf"\n[training]\nmax_async_rollout = {ahead}\n'
+    (tmp_path / "run.toml").write_text(text + training)
+    config = load_config(tmp_path / "run.toml")
+    assert getattr(config, section).tis_cap == expected
+    note = (f"training.max_async_rollout = 2 without {section}.tis_cap: using {section}.tis_cap = 2 to correct for the "
+            f"older adapter that sampled each batch (set {section}.tis_cap to choose the cap)")
+    assert config.notes == ((note,) if algorithm in ("grpo", "agent_grpo", "distill") else ())
 
 
 def test_agent_grpo_runs_ahead(tmp_path, tiny_model):
