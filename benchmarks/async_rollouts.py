@@ -62,8 +62,8 @@ def run_side(name: str, threads: int, updates: int) -> dict:
         res = subprocess.run([sys.executable, "-m", "retrograd", "train", str(config)], capture_output=True, text=True, check=False)
         if res.returncode:
             sys.exit(f"{name}: retrograd train failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(tmp) / "out/metrics.jsonl").read_text().splitlines()]
-        timeline = timeline_summary(Path(tmp) / "out/timeline.jsonl")
+        rows = [json.loads(line) for line in (Path(tmp) / "out/adapter.metrics.jsonl").read_text().splitlines()]
+        timeline = timeline_summary(Path(tmp) / "out/adapter.timeline.jsonl")
     span = rows[-1]["time"] - (rows[0]["time"] - rows[0]["timing/update_seconds"])
     tail = rows[-max(len(rows) // 3, 1):]
     return {

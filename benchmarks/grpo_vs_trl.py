@@ -166,7 +166,7 @@ def run_ours(dtype: str, duty_cycle: float = 1.0) -> dict:
         res = subprocess.run([sys.executable, "-m", "retrograd", "train", str(config)], check=False, capture_output=True, text=True)
         if res.returncode:
             sys.exit(f"retrograd train failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
-        records = [json.loads(line) for line in (Path(tmp) / "out" / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (Path(tmp) / "out" / "adapter.metrics.jsonl").read_text().splitlines()]
         prompts = load_prompts(config.parent / "prompts.jsonl", open_chat(load_config(config)))
     updates, previous_end = [], None
     for m in records:

@@ -83,7 +83,7 @@ def run(workload: str, micro_batch: int, updates: int, weights: str | None, thre
         r = subprocess.run([sys.executable, "-m", "retrograd", "train", str(cfg)], cwd=ROOT, capture_output=True, text=True, check=False)
         if r.returncode != 0:
             sys.exit(f"retrograd train failed ({workload}, micro_batch {micro_batch}):\n{r.stderr[-2000:]}")
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (out / "adapter.metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if "timing/update_seconds" in row]
     weights_line = next((line for line in r.stdout.splitlines() if line.startswith("weights:")), "weights: ?")
     return {

@@ -1,5 +1,5 @@
-"""What `report.html` costs on a long rollout run: the first build (`retrograd report`, or the
-first checkpoint of a resumed `train`, which read all of rollouts.jsonl) and the refresh at a
+"""What `NAME.report.html` costs on a long rollout run: the first build (`retrograd report`, or the
+first checkpoint of a resumed `train`, which read all of NAME.rollouts.jsonl) and the refresh at a
 later checkpoint (`train` reads only what was appended since the last one).
 
     python benchmarks/run_report.py [--updates 500] [--rollouts 64] [--tokens 256] [--repeats 3]
@@ -32,7 +32,7 @@ PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer", 
 
 
 def append_updates(folder: Path, first: int, count: int, args, rng: random.Random) -> None:
-    with open(folder / "metrics.jsonl", "a") as metrics, open(folder / "rollouts.jsonl", "a") as rollouts:
+    with open(folder / "run.metrics.jsonl", "a") as metrics, open(folder / "run.rollouts.jsonl", "a") as rollouts:
         for update in range(first, first + count):
             timing = {f"timing/{p}_seconds": rng.uniform(0.1, 5.0) for p in PHASES}
             record = {"step": 2 * update, "time": 1.7e9 + 30 * update, "policy/total_loss": rng.gauss(0, 1e-3),
@@ -66,9 +66,9 @@ def main() -> None:
         folder = Path(scratch)
         rng = random.Random(0)
         append_updates(folder, 1, args.updates, args, rng)
-        files = RunFiles(folder, folder / "metrics.jsonl", folder / "rollouts.jsonl", None, "grpo")
+        files = RunFiles(folder / "run.metrics.jsonl", folder / "run.rollouts.jsonl", None, "grpo")
         RunReport(files).write()  # warm: imports, plotly.js read once per process
-        size = (folder / "rollouts.jsonl").stat().st_size
+        size = files.rollouts.stat().st_size
         for repeat in range(args.repeats):
             report = RunReport(files)
             t0 = time.perf_counter()

@@ -160,7 +160,7 @@ def run_ours(dtype: str, checkpointing: bool = False) -> dict:
         wall = time.time() - launched
         if res.returncode:
             sys.exit(f"retrograd train failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
-        records = [json.loads(line) for line in (Path(tmp) / "out" / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (Path(tmp) / "out" / "adapter.metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/tokens_per_second" in r]
     tokens = [sum(len(e.ids) for e in examples[k : k + WORK.batch]) for k in range(0, WORK.rows, WORK.batch)]
     step_s = [n / r["train/tokens_per_second"] for n, r in zip(tokens, steps)]

@@ -65,7 +65,7 @@ def run_side(ranks: int, threads: int, steps: int) -> list[dict]:
         res = subprocess.run([*launcher, "-m", "retrograd", "train", "run.toml"], cwd=folder, capture_output=True, text=True, check=False)
         if res.returncode:
             sys.exit(f"{ranks} rank(s): retrograd train failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
-        return [json.loads(line) for line in (folder / "out/metrics.jsonl").read_text().splitlines()]
+        return [json.loads(line) for line in (folder / "out/adapter.metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:

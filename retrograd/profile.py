@@ -25,6 +25,7 @@ from retrograd.device import resolve_device
 from retrograd.errors import ConfigError
 from retrograd.recipes import agent_grpo, grpo
 from retrograd.recipes.common import compute_dtype
+from retrograd.training.metrics import run_record
 from retrograd.training.report import SilentReporter
 from retrograd.training.rollout_loop import RolloutResult
 from retrograd.training.timeline import TIMELINE_COUNTERS, read_timeline
@@ -127,7 +128,7 @@ def profile(cfg: Config, workload: Workload) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="retrograd-profile-") as scratch:
         short = shortened(cfg, workload, Path(scratch))
         result = PROFILED[short.run.algorithm].module.run(short, SilentReporter())
-        return report(short, result) + ["", *timeline_summary(Path(scratch) / "timeline.jsonl")]
+        return report(short, result) + ["", *timeline_summary(run_record(short, "timeline.jsonl"))]
 
 
 PRODUCTION_PHASES = ("environment", "generation", "tools", "reward", "judge", "teacher")  # the sampler's side

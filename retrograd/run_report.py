@@ -1,12 +1,14 @@
-"""`report.html`: one self-contained page about a run, built from what the run leaves behind.
+"""`NAME.report.html`: one self-contained page about a run, built from what the run leaves behind.
 
-A run's folder (the output's parent) holds metrics.jsonl (one record per step or update,
-plus evaluation records); rollout runs (grpo, agent_grpo, on-policy distill) also write
-rollouts.jsonl there (or in [observe].directory), and checkpoints go to
-[checkpoint].directory. The page draws the curves those records hold, for rollout runs a
-timeline of each update's phases and the counters that explain throughput, and a browser
-of the rollouts. plotly.js is embedded, so the page opens without a network. Rollout text is
-model output, never trusted: it reaches the page only through Jinja's autoescaping.
+A run whose output is NAME.gguf writes NAME.metrics.jsonl beside it (one record per step or
+update, plus evaluation records); rollout runs (grpo, agent_grpo, on-policy distill) also
+write NAME.rollouts.jsonl there (or in [observe].directory), and checkpoints go to
+[checkpoint].directory. The page (NAME.report.html beside the metrics) draws the curves
+those records hold, for rollout runs a timeline of each update's phases and the counters
+that explain throughput, and a browser of the rollouts. plotly.js is embedded, so the page
+opens without a network. Rollout text is model output, never trusted: it reaches the page
+only through Jinja's autoescaping; a line of a record file that is not as retrograd writes
+it is left out, and the page says how many were.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from retrograd.errors import RetrogradError
 
-REPORT_NAME = "report.html"
+METRICS_SUFFIX = ".metrics.jsonl"
 ROLLOUT_ROWS_CAP = 2000  # rows in the rollout browser: whole updates, evenly spread over the run
 TIMELINE_CAP = 60  # updates on the timeline and in the counters table, evenly spread over the run
 TEXT_CAP = 4000  # characters of one prompt, completion, turn or tool observation
@@ -43,73 +45,112 @@ PHASE_COLOURS = {  # one colour per phase across algorithms; a phase not named h
 }
 # timing/<name>_seconds keys that sum other phases or are drawn apart, not phases of their own
 NOT_PHASES = {"update", "rollout", "optimizer_wall", "waiting_for_batch"}
+# metrics keys the page computes with besides timing/*: a record holding anything but a finite
+# number under one of them is left out (other values that are not numbers are simply not drawn)
+COMPUTED_METRICS = ("step", "time", "train/update", "train/tokens_per_second", "rollouts/canceled",
+                    "batch/dead_group_fraction", "completions/truncation_fraction", "agent/truncated_fraction",
+                    "agent/lost_fraction")
 
 
 @dataclass(frozen=True)
 class RunFiles:
-    """Where one run's records are. rollouts is None for runs that sample nothing."""
+    """Where one run's records are: NAME.metrics.jsonl and the rest (training.metrics.run_record).
+    rollouts is None for runs that sample nothing."""
 
-    directory: Path
     metrics: Path
     rollouts: Path | None
     checkpoints: Path | None
-    algorithm: str | None  # from the config; None when only the folder was given
+    algorithm: str | None  # from the config; None when only the folder or a file was given
+
+    @property
+    def run(self) -> Path:
+        """The run's records without their suffix: out/a for out/a.metrics.jsonl."""
+        return self.metrics.with_name(self.metrics.name.removesuffix(METRICS_SUFFIX))
+
+    @property
+    def report(self) -> Path:
+        """Where the page goes unless told: NAME.report.html beside the metrics."""
+        return self.run.with_name(f"{self.run.name}.report.html")
 
 
 def locate(run: Path) -> RunFiles:
-    """The files of the run in folder `run`, or of the run a config TOML describes."""
+    """The files of the run a config TOML describes, of the one run whose records folder `run`
+    holds, or of the run whose output .gguf or NAME.metrics.jsonl `run` names."""
+    usage = "give the run's config .toml, its output .gguf, its NAME.metrics.jsonl or the folder holding it"
     if run.is_file() and run.suffix == ".toml":
         from retrograd.config import load_config
 
         return run_files(load_config(run))
-    if not run.is_dir():
-        problem = "not a folder or a .toml file" if run.exists() else "no such folder"
-        raise RetrogradError(f"{run}: {problem} (give a run's folder holding metrics.jsonl, or its config .toml)")
-    metrics = run / "metrics.jsonl"
+    if run.is_dir():
+        found = sorted(p for p in run.glob(f"*{METRICS_SUFFIX}") if p.is_file())
+        if len(found) != 1:
+            held = f"holds the records of {len(found)} runs ({', '.join(p.name for p in found)})" if found else "no run's records"
+            raise RetrogradError(f"{run}: {held}; {usage}")
+        metrics = found[0]
+    elif run.name.endswith(METRICS_SUFFIX):
+        metrics = run
+    elif run.suffix == ".gguf":
+        metrics = run.with_name(run.stem + METRICS_SUFFIX)
+    else:
+        raise RetrogradError(f"{run}: {'not a run' if run.exists() else 'no such file or folder'}; {usage}")
     if not metrics.is_file():
-        raise RetrogradError(f"{run}: no metrics.jsonl here (give the folder a run wrote it to, or the run's config .toml)")
-    return RunFiles(run, metrics, run / "rollouts.jsonl", run, None)
+        raise RetrogradError(f"{run}: no {metrics} (train the run first; {usage})")
+    name = metrics.name.removesuffix(METRICS_SUFFIX)
+    return RunFiles(metrics, metrics.with_name(f"{name}.rollouts.jsonl"), metrics.parent, None)
 
 
 def run_files(cfg) -> RunFiles:
-    """The files `cfg`'s run writes (the recipes decide these paths; this follows them)."""
-    directory = cfg.output.path.parent
+    """The files `cfg`'s run writes (where the recipes write them: training.metrics.run_record)."""
+    from retrograd.training.metrics import run_record
+
     algorithm = cfg.run.algorithm
-    rollouts = None
-    if algorithm in ROLLOUT_ALGORITHMS:
-        rollouts = (cfg.observe.directory if cfg.observe else directory) / "rollouts.jsonl"
-    elif algorithm == "distill" and cfg.distill.mode == "on_policy":
-        rollouts = directory / "rollouts.jsonl"
+    samples = algorithm in ROLLOUT_ALGORITHMS or (algorithm == "distill" and cfg.distill.mode == "on_policy")
     checkpoints = cfg.checkpoint.directory if cfg.checkpoint else None
-    metrics = directory / "metrics.jsonl"
+    metrics = run_record(cfg, "metrics.jsonl")
     if not metrics.is_file():
         raise RetrogradError(f"{cfg.path}: its run has no {metrics} yet (train it first: retrograd train {cfg.path})")
-    return RunFiles(directory, metrics, rollouts, checkpoints, algorithm)
+    return RunFiles(metrics, run_record(cfg, "rollouts.jsonl") if samples else None, checkpoints, algorithm)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL file a run may still be appending to: a line that does not
-    parse (the one being written, or damage) is left out."""
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-    return records
+def parse_record(line: str | bytes) -> dict | None:
+    """One line of a run's JSONL file as a JSON object, or None (damage, a line being
+    written, nesting too deep to parse)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def read_metrics(path: Path) -> tuple[list[dict], int]:
+    """The metrics records of a file a run may still be appending to, and how many lines were
+    left out: not a JSON object, or no finite number under a key the page computes with."""
+    records, skipped = [], 0
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                record = parse_record(line)
+                if record is not None and _is_metrics(record):
+                    records.append(record)
+                elif line.strip():
+                    skipped += 1
+    except OSError as e:
+        raise RetrogradError(f"{path}: cannot read the run's metrics ({e.strerror or e})") from None
+    return records, skipped
+
+
+def _is_metrics(record: dict) -> bool:
+    """A record as MetricsSink writes it: a step and a time, and numbers where the page computes."""
+    computed = [value for key, value in record.items() if key in COMPUTED_METRICS or key.startswith("timing/")]
+    return "step" in record and "time" in record and all(map(_is_number, computed))
 
 
 def latest_attempt(records: list[dict]) -> list[dict]:
-    """metrics.jsonl of a resumed run holds the steps after the checkpoint twice (the lost
-    attempt, then the resumed one): keep the later ones."""
+    """NAME.metrics.jsonl of a resumed run holds the steps after the checkpoint twice (the
+    lost attempt, then the resumed one): keep the later ones."""
     kept: list[dict] = []
     for record in records:
-        step = record.get("step")
-        if not _is_number(step):
-            continue
+        step = record["step"]
         if kept and step < kept[-1]["step"]:
             kept = [r for r in kept if r["step"] < step]
         kept.append(record)
@@ -149,7 +190,17 @@ def _series(records: list[dict], x: str, key: str, mode: str) -> dict:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)  # NaN, inf: not drawn
+    """A finite number: NaN, inf and integers beyond float range are not drawn."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def update_records(records: list[dict]) -> list[dict]:
@@ -253,61 +304,59 @@ def _seconds(value) -> str:
 
 
 class RolloutLog:
-    """rollouts.jsonl read as it grows: each read parses only the lines appended since the
-    last one (a line still being written waits for the next), so refreshing the report at
-    every checkpoint costs what the run added, not what it holds. The bulky token ids and
-    log-probs are dropped on the way in."""
+    """NAME.rollouts.jsonl read as it grows: each read parses only the lines appended since
+    the last one (a line still being written waits for the next), so refreshing the report
+    at every checkpoint costs what the run added, not what it holds. Each rollout is kept as
+    the counters and the browser use it (texts cut, token ids and log-probs dropped); a line
+    that is not a rollout as retrograd writes it is left out and counted."""
 
     def __init__(self, path: Path | None):
-        self.path, self.offset, self.rows = path, 0, []
+        self.path, self.offset, self.rows, self.skipped = path, 0, [], 0
 
     def read(self) -> list[dict]:
         if self.path is None or not self.path.is_file():
             return self.rows
-        if self.path.stat().st_size < self.offset:  # rewritten by a fresh run
-            self.offset, self.rows = 0, []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
-                self.offset += len(line)
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict):
-                    self.rows.append(_slim(record))
+        try:
+            if self.path.stat().st_size < self.offset:  # rewritten by a fresh run
+                self.offset, self.rows, self.skipped = 0, [], 0
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break
+                    self.offset += len(line)
+                    row = _browsable(parse_record(line))
+                    if row is not None:
+                        self.rows.append(row)
+                    elif line.strip():
+                        self.skipped += 1
+        except OSError as e:
+            raise RetrogradError(f"{self.path}: cannot read the run's rollouts ({e.strerror or e})") from None
         return self.rows
 
 
-def _slim(record: dict) -> dict:
-    for key in ("prompt_ids", "completion_ids", "sampler_logprobs", "policy_logprobs", "teacher_logprobs"):
-        record.pop(key, None)
-    turns = record.get("turns")
-    if isinstance(turns, list):  # agent runs; only the parts of the shape retrograd writes
-        record["turns"] = [
-            {k: v for k, v in turn.items() if k not in ("prompt_ids", "completion_ids", "sampler_logprobs", "policy_logprobs")}
-            | {"calls": [c for c in turn.get("calls") or () if isinstance(c, dict)]}
-            for turn in turns if isinstance(turn, dict)
-        ]
-    else:
-        record.pop("turns", None)
-    return record
+def _is_rollout(record: dict) -> bool:
+    """What the counters and the browser compute with: the update and group numbers, and an
+    agent run's turns as lists of objects."""
+    turns = record.get("turns", [])
+    if not (_is_count(record.get("update")) and _is_count(record.get("group")) and isinstance(turns, list)):
+        return False
+    calls = [turn.get("calls", []) if isinstance(turn, dict) else None for turn in turns]
+    return all(isinstance(c, list) and all(isinstance(call, dict) for call in c) for c in calls)
 
 
 def browser(rows: list[dict]) -> dict:
     """What the rollout browser keeps: whole updates, evenly spread over the run, up to
     ROLLOUT_ROWS_CAP rows."""
-    sizes = Counter(r.get("update") for r in rows)
-    updates = sorted(u for u in sizes if isinstance(u, int))
+    sizes = Counter(r["update"] for r in rows)
+    updates = sorted(sizes)
     chosen, budget = [], ROLLOUT_ROWS_CAP
     for u in _evenly(updates, ROLLOUT_ROWS_CAP // max(max(sizes.values(), default=1), 1)):
         if sizes[u] <= budget:
             chosen.append(u)
             budget -= sizes[u]
     keep = set(chosen)
-    shown = [_browsable(r) for r in rows if r.get("update") in keep]
+    shown = [r for r in rows if r["update"] in keep]
     return {"shown": shown, "total": len(rows), "updates_total": len(updates), "updates_shown": chosen}
 
 
@@ -320,24 +369,35 @@ def _evenly(items: list, n: int) -> list:
     return [items[k] for k in sorted({round(i * (len(items) - 1) / (n - 1)) for i in range(n)})]
 
 
-def _browsable(r: dict) -> dict:
-    """One rollout as the browser shows it: texts cut to TEXT_CAP characters."""
-    turns = [
-        {"assistant": _cut(t.get("assistant")), "finish": t.get("finish"), "error": _cut(t.get("error")),
-         "calls": [{"name": c.get("name"), "arguments": _cut(json.dumps(c.get("arguments"), ensure_ascii=False)),
-                    "observation": _cut(c.get("observation")), "is_error": c.get("is_error"), "reward": c.get("reward")}
-                   for c in t.get("calls") or ()]}
-        for t in r.get("turns") or ()
-    ]
-    reward = r.get("reward")
-    return {
-        "update": r.get("update"), "group": r.get("group"), "prompt": _cut(r.get("prompt") or r.get("scenario")),
-        "completion": _cut(r.get("completion")), "turns": turns, "tokens": r.get("tokens"),
-        "truncated": bool(r.get("truncated")), "reward": reward if _is_number(reward) else None,
-        "advantage": r.get("advantage") if _is_number(r.get("advantage")) else None,
-        "teacher_kl": r.get("teacher_kl_mean") if _is_number(r.get("teacher_kl_mean")) else None,
-        "trained": r.get("trained"), "skip_reason": r.get("skip_reason"),
-    }
+def _browsable(r: dict | None) -> dict | None:
+    """One rollout as the counters and the browser use it: texts cut to TEXT_CAP characters,
+    numbers that are numbers (else None), nothing else; None when `r` is not a rollout as
+    retrograd writes it (the update and group it counts by, its turns' shape) or holds a
+    value nested too deep to print."""
+    if r is None or not _is_rollout(r):
+        return None
+    try:
+        turns = [
+            {"assistant": _cut(t.get("assistant")), "finish": _cut(t.get("finish")), "error": _cut(t.get("error")),
+             "calls": [{"name": _cut(c.get("name")), "arguments": _cut(json.dumps(c.get("arguments"), ensure_ascii=False)),
+                        "observation": _cut(c.get("observation")), "is_error": bool(c.get("is_error")),
+                        "reward": _number(c.get("reward"))}
+                       for c in t.get("calls", [])]}
+            for t in r.get("turns", [])
+        ]
+        return {
+            "update": r["update"], "group": r["group"], "prompt": _cut(r.get("prompt") or r.get("scenario")),
+            "completion": _cut(r.get("completion")), "turns": turns, "tokens": _number(r.get("tokens")),
+            "truncated": bool(r.get("truncated")), "reward": _number(r.get("reward")), "advantage": _number(r.get("advantage")),
+            "teacher_kl": _number(r.get("teacher_kl_mean")),
+            "trained": None if r.get("trained") is None else bool(r["trained"]), "skip_reason": _cut(r.get("skip_reason")),
+        }
+    except RecursionError:
+        return None
+
+
+def _number(value) -> int | float | None:
+    return value if _is_number(value) else None
 
 
 def _cut(text) -> str | None:
@@ -347,24 +407,29 @@ def _cut(text) -> str | None:
     return text if len(text) <= TEXT_CAP else text[:TEXT_CAP] + " […]"
 
 
-def checkpoint_rows(directory: Path | None) -> list[dict]:
+def checkpoint_rows(directory: Path | None) -> tuple[list[dict], int]:
     """The run's checkpoints (step-N and best), from their progress.json (display only: the
-    files are not verified here, `--resume` does that)."""
+    files are not verified here, `--resume` does that), and how many were left out because
+    their progress.json is unreadable or not as retrograd writes it."""
     if directory is None or not directory.is_dir():
-        return []
+        return [], 0
     folders = sorted({*directory.glob("step-*.state"), *directory.glob("best.state"), *directory.glob("*/step-*.state"),
                       *directory.glob("*/best.state")})
-    rows = []
+    rows, skipped = [], 0
     for folder in folders:
         try:
-            progress = json.loads((folder / "progress.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            progress = parse_record((folder / "progress.json").read_bytes())
+            written = datetime.datetime.fromtimestamp(folder.stat().st_mtime).strftime("%Y-%m-%d %H:%M:%S")
+        except OSError:
+            progress = None
+        if (progress is None or not _is_count(progress.get("global_step"))
+                or not (progress.get("update") is None or _is_count(progress["update"]))
+                or not (progress.get("best_eval") is None or _is_number(progress["best_eval"]))):
+            skipped += 1
             continue
-        if isinstance(progress, dict):
-            rows.append({"name": folder.stem, "path": str(folder),
-                         "step": progress.get("global_step"), "update": progress.get("update"), "best_eval": progress.get("best_eval"),
-                         "written": datetime.datetime.fromtimestamp(folder.stat().st_mtime).strftime("%Y-%m-%d %H:%M:%S")})
-    return rows
+        rows.append({"name": folder.stem, "path": str(folder), "step": progress["global_step"],
+                     "update": progress.get("update"), "best_eval": progress.get("best_eval"), "written": written})
+    return rows, skipped
 
 
 def algorithm_of(files: RunFiles, updates: list[dict], rollouts: list[dict]) -> str:
@@ -372,9 +437,9 @@ def algorithm_of(files: RunFiles, updates: list[dict], rollouts: list[dict]) -> 
         return files.algorithm
     if not updates:
         return "sft or offline distill"
-    if any("turns" in r for r in rollouts):
+    if any(r["turns"] for r in rollouts):
         return "agent_grpo"
-    if any("teacher_kl_mean" in r for r in rollouts):
+    if any(r["teacher_kl"] is not None for r in rollouts):
         return "distill (on-policy)"
     return "grpo"
 
@@ -383,22 +448,32 @@ def algorithm_of(files: RunFiles, updates: list[dict], rollouts: list[dict]) -> 
 
 
 class RunReport:
-    """A run's report, rewritten on demand; keeps what it read of rollouts.jsonl between writes."""
+    """A run's report, rewritten on demand; keeps what it read of NAME.rollouts.jsonl between
+    writes. `skipped` says what the last write left out as malformed ([] when nothing)."""
 
     def __init__(self, files: RunFiles):
         self.files = files
         self.rollouts = RolloutLog(files.rollouts)
+        self.skipped: list[str] = []
 
     def write(self, out: Path | None = None) -> Path:
         """Write the page (to a temporary file, then renamed: a reader never sees half of it)."""
         from retrograd.run_report_page import render
 
         files = self.files
-        records = latest_attempt(read_jsonl(files.metrics))
+        records, bad_metrics = read_metrics(files.metrics)
+        records = latest_attempt(records)
         updates = update_records(records)
         rollouts = self.rollouts.read() if updates else []  # a run without updates sampled nothing
+        checkpoints, bad_checkpoints = checkpoint_rows(files.checkpoints)
+        self.skipped = [f"{n} {what}" for n, what in (
+            (bad_metrics, f"line{'s' * (bad_metrics != 1)} of {files.metrics}"),
+            (self.rollouts.skipped if updates else 0, f"line{'s' * (self.rollouts.skipped != 1)} of {files.rollouts}"),
+            (bad_checkpoints, f"checkpoint{'s' * (bad_checkpoints != 1)} (progress.json)"),
+        ) if n]
         page = render(
-            run=str(files.directory),
+            run=str(files.run),
+            skipped=self.skipped,
             algorithm=algorithm_of(files, updates, rollouts),
             generated=datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
             n_records=len(records),
@@ -412,9 +487,9 @@ class RunReport:
             timeline_cap=TIMELINE_CAP,
             rows_cap=ROLLOUT_ROWS_CAP,
             text_cap=TEXT_CAP,
-            checkpoints=checkpoint_rows(files.checkpoints),
+            checkpoints=checkpoints,
         )
-        out = out or files.directory / REPORT_NAME
+        out = out or files.report
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
         try:

@@ -33,13 +33,15 @@ pre.text { white-space: pre-wrap; word-break: break-word; margin: 0; max-height:
 <h1>retrograd run report</h1>
 <p class="meta">run <code>{{ run }}</code> · {{ algorithm }} · {{ n_records }} records, last optimizer step {{ last_step }} ·
 written {{ generated }} (refreshed at every checkpoint while <code>retrograd train</code> runs; <code>retrograd report</code> rewrites it)</p>
+{% if skipped %}<p id="skipped" class="error">Left out as malformed (not as retrograd writes them):
+{{ skipped | join("; ") }}.</p>{% endif %}
 
 <h2>Curves</h2>
 {% if curves %}
 <p class="note">Lines are training records, diamonds evaluation points{% if timeline %}, against the update
 (an update whose groups all had equal rewards takes no optimizer step){% else %}, against the optimizer step{% endif %}.</p>
 <div class="figures">{% for fig in curves %}<div id="{{ fig.id }}" class="figure"></div>{% endfor %}</div>
-{% else %}<p>metrics.jsonl holds no step records yet.</p>{% endif %}
+{% else %}<p>The metrics hold no step records yet.</p>{% endif %}
 
 {% if timeline %}
 <h2>Updates</h2>
@@ -56,7 +58,7 @@ writing records.</p>
 <td class="num">{{ c.truncated }}</td><td class="num">{{ c.dropped }}</td><td class="num">{{ c.canceled }}</td>
 <td class="num">{{ c.waiting }}</td><td class="num">{{ c.tokens_per_second }}</td></tr>
 {% endfor %}</tbody></table>
-<p class="note">Counts are "n / total" from rollouts.jsonl, or the recorded fractions for updates it does not hold.
+<p class="note">Counts are "n / total" from the run's rollouts, or the recorded fractions for updates they do not hold.
 Dropped: left out of training for a reason other than a zero advantage (truncated with masking, failed, unscored).
 Canceled rollouts and waiting for a batch are always 0 here, and recorded as such: retrograd samples and trains in
 turns (synchronously), so no rollout is abandoned and no update waits for one.</p>
@@ -83,7 +85,7 @@ turns (synchronously), so no rollout is abandoned and no update waits for one.</
 {% for c in t.calls %}<div class="call{{ ' error' if c.is_error }}">→ <b>{{ c.name }}</b>(<code>{{ c.arguments }}</code>){% if c.reward is not none %} reward {{ c.reward }}{% endif %}
 <pre class="text">{{ c.observation }}</pre></div>{% endfor %}{% if t.error %}<div class="error">{{ t.error }}</div>{% endif %}
 <span class="note">turn ended: {{ t.finish }}</span></div>{% endfor %}{% else %}<pre class="text">{{ r.completion }}</pre>{% endif %}</td>
-<td class="num">{{ r.tokens }}{% if r.truncated %} (truncated){% endif %}</td>
+<td class="num">{{ '-' if r.tokens is none else r.tokens }}{% if r.truncated %} (truncated){% endif %}</td>
 <td class="num">{{ '-' if r.reward is none else '%.4g' % r.reward }}</td>
 <td class="num">{{ '-' if r.advantage is none else '%.4g' % r.advantage }}{% if r.teacher_kl is not none %} (sampler − teacher log-prob {{ '%.3g' % r.teacher_kl }}){% endif %}</td>
 <td>{% if r.trained is none %}-{% elif r.trained %}<span class="yes">yes</span>{% else %}<span class="no">no: {{ r.skip_reason }}</span>{% endif %}</td></tr>

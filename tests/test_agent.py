@@ -310,13 +310,13 @@ min_idle = 1
     finally:
         task.close()
     assert result.updates_done == 1 and result.steps == 1 and result.output.is_file()
-    (m,) = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    (m,) = [json.loads(line) for line in (tmp_path / "out/adapter.metrics.jsonl").read_text().splitlines()]
     assert m["reward/mean"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
     assert m["agent/turns_per_traj_mean"] == pytest.approx((3 + 3 + 2) / 3)
     assert m["agent/tool_error_fraction"] == pytest.approx(1 / 5)  # bash is not in the toolset
     assert m["env/live_containers_max"] <= 3 and m["env/acquire_ms_mean"] > 0 and m["env/exec_timeout_fraction"] == 0
     assert m["generation/prefilled_tokens"] > 0 and "timing/tools_seconds" in m
-    records = [json.loads(line) for line in (tmp_path / "out/rollouts.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "out/adapter.rollouts.jsonl").read_text().splitlines()]
     assert [r["reward"] for r in records] == [1.0, 0.5, 0.0] and all(r["trained"] for r in records)
     assert [r["advantage"] for r in records] == pytest.approx([0.5, 0.0, -0.5])  # reward - group mean
     # One epoch, one minibatch: the ratio is exactly 1, kl_coefficient is 0 and the step-reward

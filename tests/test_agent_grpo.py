@@ -88,7 +88,7 @@ def test_updates_complete_on_smollm2_with_the_real_sampler(tmp_path):
     result = agent_grpo.run(load_config(cfg), SilentReporter())
     assert result.updates_done == 2 and result.steps >= 1 and result.output.is_file()
     assert result.summary().startswith("done update=2/2 agent_epochs_per_update=1 step=")
-    metrics = rows(tmp_path / "out/metrics.jsonl")
+    metrics = rows(tmp_path / "out/adapter.metrics.jsonl")
     assert len(metrics) == 2
     for key in ("agent/truncated_fraction", "agent/tool_error_fraction", "agent/turns_per_traj_mean", "agent/tool_calls_per_turn",
                 "env/container_create_ms", "env/acquire_ms_mean", "env/pool_reuse_fraction", "env/live_containers_max",
@@ -97,7 +97,7 @@ def test_updates_complete_on_smollm2_with_the_real_sampler(tmp_path):
                 "reward/mean", "judge/groups"):
         assert key in metrics[0], key
     assert metrics[0]["judge/groups"] == 1.0
-    records = rows(tmp_path / "out/rollouts.jsonl")
+    records = rows(tmp_path / "out/adapter.rollouts.jsonl")
     assert len(records) == 2 * 2 * 4 and {r["scenario"] for r in records} == {"echo-call", "ls"}
     judged = [r for r in records if r["scenario"] == "ls" and not r["truncated"]]
     assert judged and all(r["terminal_reward"] == len("\n".join(t["assistant"] for t in r["turns"])) for r in judged)
@@ -110,7 +110,7 @@ def test_a_failing_judge_drops_its_group_or_stops_the_run(tmp_path, tiny_model):
                     judge="import sys\nsys.exit(3)\n")
     with pytest.raises(RolloutRunStopped, match=r"update 1: 4 of 4 trajectories dropped \(0 truncated, 0 failed, 4 unscored\)"):
         agent_grpo.run(load_config(cfg), SilentReporter())
-    assert rows(tmp_path / "out/rollouts.jsonl")[0]["skip_reason"] == "unscored"
+    assert rows(tmp_path / "out/adapter.rollouts.jsonl")[0]["skip_reason"] == "unscored"
     cfg.write_text(cfg.read_text().replace("max_new_tokens_per_turn = 24", 'max_new_tokens_per_turn = 24\njudge_failure = "fail"'))
     with pytest.raises(RewardError, match=r"\[agent.judge\] on scenario 'ls'"):
         agent_grpo.run(load_config(cfg), SilentReporter())
@@ -135,14 +135,14 @@ def test_resume_at_an_update_boundary_repeats_the_rest_exactly(tmp_path, tiny_mo
     checkpoint = tmp_path / "straight/ckpt/step-000000000001.state"
     resumed = agent_grpo.run(load_config(runs["resumed"]), SilentReporter(), resume=checkpoint)
     assert resumed.updates_done == 3 and resumed.steps == 3
-    reference = per_update(tmp_path / "straight/out/metrics.jsonl")
-    again = per_update(tmp_path / "resumed/out/metrics.jsonl")
+    reference = per_update(tmp_path / "straight/out/adapter.metrics.jsonl")
+    again = per_update(tmp_path / "resumed/out/adapter.metrics.jsonl")
     assert set(again) == {2, 3} and all(again[u] == reference[u] for u in again), (again, reference)
     def unplaced(records):  # `source` names the file:line, whose folder differs
         return [{k: v for k, v in r.items() if k != "source"} for r in records]
 
-    later = [r for r in rows(tmp_path / "straight/out/rollouts.jsonl") if r["update"] > 1]
-    assert unplaced(rows(tmp_path / "resumed/out/rollouts.jsonl")) == unplaced(later)
+    later = [r for r in rows(tmp_path / "straight/out/adapter.rollouts.jsonl") if r["update"] > 1]
+    assert unplaced(rows(tmp_path / "resumed/out/adapter.rollouts.jsonl")) == unplaced(later)
 
 
 # ---------------------------------------------------------------- bad input

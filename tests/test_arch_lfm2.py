@@ -140,7 +140,7 @@ def test_sft_memorises_a_text(tmp_path, tiny_model):
                          training='ctx = 64\nmicro_batch = 64\ngradient_accumulation = 1\nepochs = 20\nlr = 1e-2\ncompute_dtype = "f32"')
     (tmp_path / "smoke_tiny.txt").write_text(SMOKE_TEXT[:90])
     result = sft.run(load_config(cfg), SilentReporter())
-    losses = [r["train/loss"] for r in map(json.loads, (tmp_path / "out/metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    losses = [r["train/loss"] for r in map(json.loads, (tmp_path / "out/adapter.metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
     assert result.steps == len(losses) == 20
     assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0], losses
 

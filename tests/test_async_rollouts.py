@@ -48,7 +48,7 @@ def async_run(tmp_path_factory, tiny_model):
 
 def test_batches_are_never_staler_than_the_bound(async_run):
     tmp, result = async_run
-    rows = update_rows(tmp / "out/metrics.jsonl")
+    rows = update_rows(tmp / "out/adapter.metrics.jsonl")
     assert result.updates_done == 4 and len(rows) == 4
     # update 1 samples with the initial adapter; every later one with the adapter one update old
     assert [r["rollouts/staleness"] for r in rows] == [0, 1, 1, 1]
@@ -57,7 +57,7 @@ def test_batches_are_never_staler_than_the_bound(async_run):
 
 def test_the_timeline_has_both_sides_and_counters_per_update(async_run):
     tmp, _ = async_run
-    spans, counters = read_timeline(tmp / "out/timeline.jsonl")
+    spans, counters = read_timeline(tmp / "out/adapter.timeline.jsonl")
     assert sorted(counters) == [1, 2, 3, 4] and set(counters[1]) == set(TIMELINE_COUNTERS)
     by_side = {(s["worker"], s["phase"]) for s in spans}
     assert {("sampler", "generation"), ("sampler", "reward"), ("sampler", "adapter_refresh"),
@@ -67,10 +67,10 @@ def test_the_timeline_has_both_sides_and_counters_per_update(async_run):
     generation_2 = next(s for s in spans if s["update"] == 2 and s["phase"] == "generation")
     optimizer_1 = next(s for s in spans if s["update"] == 1 and s["phase"] == "optimizer")
     assert generation_2["start"] < optimizer_1["end"] and optimizer_1["start"] < generation_2["end"]
-    truncated = [sum(r["truncated"] for r in metrics(tmp / "out/rollouts.jsonl") if r["update"] == u) for u in (1, 2, 3, 4)]
+    truncated = [sum(r["truncated"] for r in metrics(tmp / "out/adapter.rollouts.jsonl") if r["update"] == u) for u in (1, 2, 3, 4)]
     assert [counters[u]["truncated_rollouts"] for u in (1, 2, 3, 4)] == truncated
-    lines = timeline_summary(tmp / "out/timeline.jsonl")
-    assert lines[0].startswith("Timeline (timeline.jsonl, 4 updates") and lines[-1].strip().startswith(("bottleneck:", "balanced:"))
+    lines = timeline_summary(tmp / "out/adapter.timeline.jsonl")
+    assert lines[0].startswith("Timeline (adapter.timeline.jsonl, 4 updates") and lines[-1].strip().startswith(("bottleneck:", "balanced:"))
 
 
 def test_first_update_equals_the_synchronous_run_and_n1_is_reproducible(async_run, tmp_path, tiny_model):
@@ -84,24 +84,24 @@ def test_first_update_equals_the_synchronous_run_and_n1_is_reproducible(async_ru
     (tmp_path / "again").mkdir()
     run_grpo(tmp_path / "sync", model, ahead=0, grpo_extra="tis_cap = 2.0")
     run_grpo(tmp_path / "again", model, ahead=1)
-    first = metrics(tmp / "out/rollouts.jsonl")
-    sync = metrics(tmp_path / "sync/out/rollouts.jsonl")
-    again = metrics(tmp_path / "again/out/rollouts.jsonl")
+    first = metrics(tmp / "out/adapter.rollouts.jsonl")
+    sync = metrics(tmp_path / "sync/out/adapter.rollouts.jsonl")
+    again = metrics(tmp_path / "again/out/adapter.rollouts.jsonl")
     ids = lambda rows, u: [r["completion_ids"] for r in rows if r["update"] == u]
     assert ids(first, 1) == ids(sync, 1)
     assert any(ids(first, u) != ids(sync, u) for u in (2, 3, 4))
     without_paths = lambda rows: [{k: v for k, v in r.items() if k != "source"} for r in rows]
     assert without_paths(first) == without_paths(again)
-    assert update_rows(tmp / "out/metrics.jsonl")[0]["policy/total_loss"] == update_rows(tmp_path / "sync/out/metrics.jsonl")[0]["policy/total_loss"]
+    assert update_rows(tmp / "out/adapter.metrics.jsonl")[0]["policy/total_loss"] == update_rows(tmp_path / "sync/out/adapter.metrics.jsonl")[0]["policy/total_loss"]
 
 
 def test_evaluation_runs_through_the_producer(tmp_path, tiny_model):
     result = run_grpo(tmp_path, tiny_model("llama"), ahead=2, updates=3,
                       extra='[evaluation]\ndata = "prompts.jsonl"\nmax_examples = 3\nevery_iterations = 1')
-    rows = metrics(tmp_path / "out/metrics.jsonl")
+    rows = metrics(tmp_path / "out/adapter.metrics.jsonl")
     evals = [r for r in rows if "eval/mean_reward" in r]
     assert result.updates_done == 3 and [r["train/update"] for r in evals] == [1, 2, 3]
-    assert max(r["rollouts/staleness"] for r in update_rows(tmp_path / "out/metrics.jsonl")) <= 2
+    assert max(r["rollouts/staleness"] for r in update_rows(tmp_path / "out/adapter.metrics.jsonl")) <= 2
 
 
 def test_an_error_in_the_producer_stops_the_run_on_one_line(tmp_path, tiny_model):
@@ -122,14 +122,14 @@ def test_resume_under_async_restarts_the_producer_and_says_so(tmp_path, tiny_mod
     assert first.returncode == 0, first.stderr
     note = "note: training.max_async_rollout = 1 without grpo.tis_cap: using grpo.tis_cap = 2"
     assert note in first.stdout + first.stderr
-    assert [r["rollouts/staleness"] for r in update_rows(tmp_path / "out/metrics.jsonl")] == [0, 1, 1]
+    assert [r["rollouts/staleness"] for r in update_rows(tmp_path / "out/adapter.metrics.jsonl")] == [0, 1, 1]
     r = subprocess.run([*RETROGRAD, "train", "grpo.toml", "--resume-from", "ckpt/step-000000000002.state"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr
     assert "max_async_rollout = 1: sampling restarts at update 3 with the checkpointed adapter" in r.stdout + r.stderr
-    rows = update_rows(tmp_path / "out/metrics.jsonl")
+    rows = update_rows(tmp_path / "out/adapter.metrics.jsonl")
     assert [(row["train/update"], row["rollouts/staleness"]) for row in rows] == [(1, 0), (2, 1), (3, 1), (3, 0)]
-    assert read_timeline(tmp_path / "out/timeline.jsonl")[1][3]["in_flight_rollouts"] == 0  # the resumed run's update 3
+    assert read_timeline(tmp_path / "out/adapter.timeline.jsonl")[1][3]["in_flight_rollouts"] == 0  # the resumed run's update 3
 
 
 @pytest.mark.parametrize("algorithm,needle", [
@@ -146,10 +146,10 @@ def test_max_async_rollout_where_nothing_is_sampled_is_refused(tmp_path, algorit
 
 def test_timeline_of_a_synchronous_run_names_the_larger_side(tmp_path, tiny_model):
     run_grpo(tmp_path, tiny_model("llama"), ahead=0, updates=2)
-    spans, counters = read_timeline(tmp_path / "out/timeline.jsonl")
+    spans, counters = read_timeline(tmp_path / "out/adapter.timeline.jsonl")
     assert {s["worker"] for s in spans} == {"sampler", "trainer"}
     assert all(c["waiting_for_batch_seconds"] == 0 and c["in_flight_rollouts"] == 0 for c in counters.values())
-    verdict = timeline_summary(tmp_path / "out/timeline.jsonl")[-1]
+    verdict = timeline_summary(tmp_path / "out/adapter.timeline.jsonl")[-1]
     assert "taking turns: max_async_rollout = 0" in verdict
     json.dumps(verdict)
 
@@ -169,8 +169,8 @@ def run_distill(tmp: Path, tiny_model, *, ahead: int, distill_keys: str = ""):
     config = load_config(cfg)
     result = distill.run(config, SilentReporter())
     assert result.updates_done == result.steps == 3
-    rows = [r for r in metrics(tmp / "out/metrics.jsonl") if "train/loss" in r]
-    return config, rows, metrics(tmp / "out/rollouts.jsonl")
+    rows = [r for r in metrics(tmp / "out/adapter.metrics.jsonl") if "train/loss" in r]
+    return config, rows, metrics(tmp / "out/adapter.rollouts.jsonl")
 
 
 def recomputed_update(rows: list[dict], rollouts: list[dict], config) -> list[dict]:
@@ -270,9 +270,9 @@ def test_agent_grpo_runs_ahead(tmp_path, tiny_model):
                                    "[agent.environment.tools.toolset.mini]\ntools = [\"write_file\", \"submit\"]\n", "")
     cfg.write_text(text.replace("threads = 2", 'threads = 1\ngeneration_threads = 1\nmax_async_rollout = 1\ncompute_dtype = "f32"'))
     result = agent_grpo.run(load_config(cfg), SilentReporter())
-    rows = update_rows(tmp_path / "out/metrics.jsonl")
+    rows = update_rows(tmp_path / "out/adapter.metrics.jsonl")
     assert result.updates_done == 3 and [r["rollouts/staleness"] for r in rows] == [0, 1, 1]
-    spans, _ = read_timeline(tmp_path / "out/timeline.jsonl")
+    spans, _ = read_timeline(tmp_path / "out/adapter.timeline.jsonl")
     assert {("sampler", "generation"), ("sampler", "judge")} <= {(s["worker"], s["phase"]) for s in spans}
 
 
@@ -281,6 +281,10 @@ def test_agent_grpo_runs_ahead(tmp_path, tiny_model):
     (['{"update": 1, "counters": {"queued_rollouts": "x"}}'], ":1: not a timeline.jsonl line"),
     (['{"event": "start"}', "[1, 2]"], ":2: not a timeline.jsonl line"),
     (["not json"], ":1: not a timeline.jsonl line"),
+    (["[" * 100_000 + "]" * 100_000], ":1: not a timeline.jsonl line"),  # json.loads: RecursionError
+    (['{"update": 1e999, "counters": {}}'], ":1: not a timeline.jsonl line"),  # int(inf): OverflowError
+    (['{"update": 1, "worker": "sampler", "phase": "generation", "start": 1' + "0" * 400 + ', "end": 2}'],
+     ":1: not a timeline.jsonl line"),  # float of an integer beyond float range: OverflowError
 ])
 def test_a_damaged_timeline_is_one_line(tmp_path, lines, needle):
     path = tmp_path / "timeline.jsonl"
@@ -302,7 +306,7 @@ def test_updates_that_train_nothing_do_not_stall_the_producer(tmp_path, tiny_mod
     (tmp_path / "flat.py").write_text("def reward(prompts, completions):\n    return [0.5] * len(completions)\n")
     result = run_grpo(tmp_path, tiny_model("llama"), ahead=1, updates=4,
                       reward=f'reward_function = "{tmp_path / "flat.py"}:reward"')
-    rows = update_rows(tmp_path / "out/metrics.jsonl")
+    rows = update_rows(tmp_path / "out/adapter.metrics.jsonl")
     assert result.updates_done == 4 and result.steps == 0
     assert [r["rollouts/staleness"] for r in rows] == [0, 1, 1, 1]
 

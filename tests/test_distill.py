@@ -92,10 +92,10 @@ def test_on_policy_reverse_kl_pipeline(tmp_path, tiny_model, monkeypatch):
     result = distill.run(load_config(cfg), SilentReporter())
     assert (result.updates_done, result.steps) == (2, 4)
     assert read_adapter(result.output).tensors and (tmp_path / "ckpt/best.gguf").is_file()
-    rows = records(tmp_path / "out/metrics.jsonl")
+    rows = records(tmp_path / "out/adapter.metrics.jsonl")
     updates = [r for r in rows if "distill/teacher_kl_mean" in r]
     assert len(updates) == 2
-    rollouts = records(tmp_path / "out/rollouts.jsonl")
+    rollouts = records(tmp_path / "out/adapter.rollouts.jsonl")
     assert len(seen) == 2
     for u, (r, (teacher, proximal, mask, clip)) in enumerate(zip(updates, seen)):
         assert clip == 2.0

@@ -98,7 +98,7 @@ def example_copy(tmp: Path, name: str, replacements: dict[str, str], training: s
 def first(cfg: Path, recipe, n: int) -> list[dict]:
     with pytest.raises(Enough):
         recipe.run(load_config(cfg), StopAfter(n))
-    return [json.loads(line) for line in (cfg.parent / "out/metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (cfg.parent / "out/adapter.metrics.jsonl").read_text().splitlines()]
 
 
 def check(name: str, observed: dict[str, list[float]]) -> None:

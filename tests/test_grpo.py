@@ -87,7 +87,7 @@ def test_pipeline_on_smollm2_with_the_example_reward_program(tmp_path):
     cfg.write_text(cfg.read_text().replace("grpo_epochs = 1", "grpo_epochs = 2").replace("kl_coefficient = 0.0", "kl_coefficient = 0.05"))
     result = grpo.run(load_config(cfg), SilentReporter())
     assert result.updates_done == 2 and result.steps == 4 and result.output.is_file()
-    rows = metrics(tmp_path / "out/metrics.jsonl")
+    rows = metrics(tmp_path / "out/adapter.metrics.jsonl")
     update_rows = [r for r in rows if "reward/mean" in r]
     for key in ("reward/mean", "reward/std", "completions/length_mean", "completions/truncation_fraction",
                 "batch/zero_std_group_fraction", "policy/kl", "policy/clip_fraction", "policy/logprob_mismatch_abs_mean",
@@ -97,7 +97,7 @@ def test_pipeline_on_smollm2_with_the_example_reward_program(tmp_path):
     assert update_rows[0]["policy/beta"] == 0.05
     assert any("eval/mean_reward" in r for r in rows)
     assert (tmp_path / "ckpt/best.gguf").is_file()
-    rollouts = metrics(tmp_path / "out/rollouts.jsonl")
+    rollouts = metrics(tmp_path / "out/adapter.rollouts.jsonl")
     assert len(rollouts) == 2 * 2 * 4
     assert {"prompt", "completion", "reward", "advantage", "trained", "skip_reason"} <= set(rollouts[0])
     # llama.cpp's and torch's log-probs of the sampled tokens stay close (f16 KV, quantized model)
@@ -166,14 +166,14 @@ def test_killed_run_resumes_at_update_boundaries_exactly(tmp_path, tiny_model):
                      extra='[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 1')
         runs[name] = d
     subprocess.run([*RETROGRAD, "train", "grpo.toml"], cwd=runs["straight"], check=True, capture_output=True)
-    reference = per_update(runs["straight"] / "out/metrics.jsonl")
+    reference = per_update(runs["straight"] / "out/adapter.metrics.jsonl")
     assert len(reference) == 6
 
     d = runs["killed"]
     proc = subprocess.Popen([*RETROGRAD, "train", "grpo.toml"], cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        log = d / "out/metrics.jsonl"
+        log = d / "out/adapter.metrics.jsonl"
         if log.exists() and len(per_update(log)) >= 3:
             proc.send_signal(signal.SIGKILL)
             break
@@ -181,7 +181,7 @@ def test_killed_run_resumes_at_update_boundaries_exactly(tmp_path, tiny_model):
     assert proc.wait() == -signal.SIGKILL
     r = subprocess.run([*RETROGRAD, "train", "grpo.toml", "--resume"], cwd=d, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    seen = per_update(d / "out/metrics.jsonl")
+    seen = per_update(d / "out/adapter.metrics.jsonl")
     assert set(seen) == set(reference)
     for update, values in seen.items():
         assert all(v == reference[update][0] for v in values), (update, values, reference[update])

@@ -124,7 +124,7 @@ def test_grpo_at_temperature_scores_the_policy_that_sampled(tmp_path, tiny_model
     )
     cfg.write_text(cfg.read_text().replace("max_new_tokens = 12", "max_new_tokens = 12\ntemperature = 0.7"))
     result = grpo.run(load_config(cfg), SilentReporter())
-    rows = [json.loads(line) for line in (tmp_path / "out/rollouts.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "out/adapter.rollouts.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [1] * 8 + [2] * 8 + [3] * 8
     assert all(not r["trained"] and r["policy_logprobs"] is None for r in rows if r["update"] == 2)
 
@@ -144,7 +144,7 @@ def test_grpo_at_temperature_scores_the_policy_that_sampled(tmp_path, tiny_model
     assert torch.cat(gaps).mean() < 1e-3  # llama.cpp (F32 KV) and torch score the same policy
     assert torch.cat(t1_gaps).mean() > 0.05  # which is not the temperature-1 one
 
-    metrics = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / "out/adapter.metrics.jsonl").read_text().splitlines()]
     lr_by_update = {m["train/update"]: m.get("optimizer/learning_rate") for m in metrics if "reward/mean" in m}
     assert result.steps == 2  # updates 1 and 3 trained once each; update 2 was dead
     assert lr_by_update[3] == pytest.approx(learning_rate(1, lr=1e-3, schedule="linear", warmup_steps=0, total_steps=2))
@@ -165,7 +165,7 @@ def test_agent_rollouts_record_each_turn_with_its_ids_and_logprobs(tmp_path, tin
                                    "[agent.environment.tools.toolset.mini]\ntools = [\"write_file\", \"submit\"]\n", "")
     cfg.write_text(text.replace("threads = 2", 'threads = 2\ncompute_dtype = "f32"\nkv_dtype = "f32"'))
     agent_grpo.run(load_config(cfg), SilentReporter())
-    records = [json.loads(line) for line in (tmp_path / "out/rollouts.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "out/adapter.rollouts.jsonl").read_text().splitlines()]
     assert len(records) == 4 and any(r["trained"] for r in records)
     gaps = []
     for r in records:

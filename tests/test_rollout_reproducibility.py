@@ -253,11 +253,11 @@ def test_run_killed_after_its_second_checkpoint_resumes_bit_for_bit(tmp_path):
     assert (killed / "out/adapter.gguf").read_bytes() == final
     for name in ("step-000000000006.gguf", "step-000000000008.gguf"):
         assert (killed / "ckpt" / name).read_bytes() == (straight / "ckpt" / name).read_bytes(), name
-    rollouts = per_update(straight / "out/rollouts.jsonl")
+    rollouts = per_update(straight / "out/adapter.rollouts.jsonl")
     assert sorted(rollouts) == [1, 2, 3, 4]
-    assert per_update(killed / "out/rollouts.jsonl") == rollouts  # completions, ids, sampler and policy log-probs
+    assert per_update(killed / "out/adapter.rollouts.jsonl") == rollouts  # completions, ids, sampler and policy log-probs
     # the uninterrupted run samples update 3 right after the held-out evaluation, which
     # leaves the shared system message in the cache; the resumed one starts cold
     assert all(r["prompt_ids"][:8] == rollouts[3][0]["prompt_ids"][:8] for r in rollouts[3])
-    metrics = per_update(straight / "out/metrics.jsonl", "step")
-    assert per_update(killed / "out/metrics.jsonl", "step") == metrics
+    metrics = per_update(straight / "out/adapter.metrics.jsonl", "step")
+    assert per_update(killed / "out/adapter.metrics.jsonl", "step") == metrics

@@ -336,7 +336,7 @@ def grpo_rollouts(folder: Path, model: Path, rollout: str = "", training: str = 
     result = grpo.run(load_config(cfg), SilentReporter())
     assert result.updates_done == 2
     read = lambda name: [json.loads(line) for line in (folder / "out" / name).read_text().splitlines()]
-    return read("rollouts.jsonl"), read("metrics.jsonl")
+    return read("adapter.rollouts.jsonl"), read("adapter.metrics.jsonl")
 
 
 def test_grpo_on_two_local_workers_trains_what_the_in_process_sampler_does(tmp_path, tiny):

@@ -19,7 +19,7 @@ from test_grpo import write_config
 from retrograd.cli.train import ReportingConsole
 from retrograd.config import load_config
 from retrograd.recipes import sft
-from retrograd.run_report import ROLLOUT_ROWS_CAP, RolloutLog, latest_attempt
+from retrograd.run_report import ROLLOUT_ROWS_CAP, RolloutLog, _browsable, latest_attempt
 from retrograd.run_report import browser as browsable
 
 RETROGRAD = [sys.executable, "-m", "retrograd"]
@@ -66,8 +66,8 @@ def grpo_run(tmp_path_factory, tiny_model) -> tuple[Path, str]:
 def test_checkpoints_refresh_the_report_with_every_curve(sft_run):
     """Written by the checkpoints alone (the recipe ran without the command's final write),
     after the last step: every loss, learning rate and evaluation point is on the page."""
-    page = (sft_run / "out/report.html").read_text()
-    metrics = records(sft_run / "out/metrics.jsonl")
+    page = (sft_run / "out/adapter.report.html").read_text()
+    metrics = records(sft_run / "out/adapter.metrics.jsonl")
     curves = figures(page)
     train_loss = next(t for t in curves["Loss"] if t["name"] == "train/loss")
     assert train_loss["y"] == [r["train/loss"] for r in metrics if "train/loss" in r]
@@ -81,11 +81,11 @@ def test_checkpoints_refresh_the_report_with_every_curve(sft_run):
 
 def test_train_prints_the_report_of_a_rollout_run(grpo_run):
     folder, stdout = grpo_run
-    report = folder / "out/report.html"
+    report = folder / "out/adapter.report.html"
     assert stdout.strip().splitlines()[-1] == f"report: {report}"
     page = report.read_text()
     assert "<script src" not in page and "<link" not in page  # nothing to fetch: plotly.js is inline
-    metrics = records(folder / "out/metrics.jsonl")
+    metrics = records(folder / "out/adapter.metrics.jsonl")
     updates = [r for r in metrics if "timing/update_seconds" in r]
     curves = figures(page)
     assert next(t for t in curves["Reward"] if t["name"] == "reward/mean")["y"] == [r["reward/mean"] for r in updates]
@@ -102,7 +102,7 @@ def test_train_prints_the_report_of_a_rollout_run(grpo_run):
     starts = [r["time"] - r["timing/update_seconds"] - (updates[0]["time"] - updates[0]["timing/update_seconds"]) for r in updates]
     assert ends == pytest.approx([s + r["timing/update_seconds"] for s, r in zip(starts, updates)], abs=1e-6)
 
-    rollouts = records(folder / "out/rollouts.jsonl")
+    rollouts = records(folder / "out/adapter.rollouts.jsonl")
     assert page.count('<tr data-update="') == len(rollouts) == 3 * 2 * 4
     counters = re.search(r'<table id="counters">.*?</table>', page, re.DOTALL).group(0)
     assert counters.count("<tr>") == 1 + len(updates)
@@ -115,7 +115,7 @@ def test_report_command_from_the_config_and_bad_folders(grpo_run, tmp_path):
     out = tmp_path / "elsewhere.html"
     result = cli("report", folder / "grpo.toml", "--out", out)
     assert result.returncode == 0 and result.stdout.strip() == f"report: {out}", result.stderr
-    assert figures(out.read_text()).keys() == figures((folder / "out/report.html").read_text()).keys()
+    assert figures(out.read_text()).keys() == figures((folder / "out/adapter.report.html").read_text()).keys()
     for bad in (tmp_path, tmp_path / "missing"):
         result = cli("report", bad)
         lines = result.stderr.strip().splitlines()
@@ -127,11 +127,11 @@ def hostile_report(grpo_run, tmp_path_factory) -> tuple[Path, str]:
     """The GRPO run's report once a completion and a prompt carry markup and script."""
     folder = tmp_path_factory.mktemp("hostile") / "out"
     shutil.copytree(grpo_run[0] / "out", folder)
-    rows = records(folder / "rollouts.jsonl")
+    rows = records(folder / "adapter.rollouts.jsonl")
     rows[0] |= {"completion": HOSTILE, "prompt": HOSTILE}
-    (folder / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "adapter.rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert cli("report", folder).returncode == 0
-    return folder / "report.html", rows[0]["completion"]
+    return folder / "adapter.report.html", rows[0]["completion"]
 
 
 def test_rollout_text_is_text_not_markup(hostile_report):
@@ -188,3 +188,97 @@ def test_a_resumed_runs_repeated_steps_are_kept_once():
     resumed = [{"step": s, "train/loss": 2.0} for s in (3, 4, 5)]
     kept = latest_attempt([*first, {"step": 4, "eval/loss": 0.5}, *resumed])
     assert [(r["step"], r["train/loss"]) for r in kept] == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0)]
+
+
+def test_two_runs_sharing_a_folder_keep_their_own_records(tmp_path, tiny_model):
+    """Two configs whose outputs share out/ (as the Rust retrograd's examples share one
+    folder), trained one after another: each keeps its own NAME.metrics.jsonl and
+    NAME.report.html, `--resume` appends to its own, a rerun starts its own afresh, and
+    `retrograd report out/` names both runs rather than pick one."""
+    first = write_run(tmp_path, tiny_model("llama"))  # out/adapter.gguf, checkpoints in ckpt/
+    second = tmp_path / "second.toml"
+    second.write_text(first.read_text().replace("out/adapter.gguf", "out/second.gguf").replace('"ckpt"', '"ckpt2"')
+                      .replace("lr = 5e-3", "lr = 1e-3"))
+    for cfg in (first, second):
+        sft.run(load_config(cfg), ReportingConsole(load_config(cfg)))
+    out = tmp_path / "out"
+    kept = {name: (out / f"{name}.metrics.jsonl").read_text() for name in ("adapter", "second")}
+    losses = {name: [r["train/loss"] for r in records(out / f"{name}.metrics.jsonl") if "train/loss" in r] for name in kept}
+    assert len(losses["adapter"]) == len(losses["second"]) == 6 and losses["adapter"] != losses["second"]
+    for name, own in losses.items():
+        drawn = figures((out / f"{name}.report.html").read_text())["Loss"]
+        assert next(t for t in drawn if t["name"] == "train/loss")["y"] == own
+
+    for late in ("step-000000000004", "step-000000000005", "step-000000000006"):  # the first run stopped after step 3
+        shutil.rmtree(tmp_path / f"ckpt/{late}.state")
+        (tmp_path / f"ckpt/{late}.gguf").unlink()
+    sft.run(load_config(first), ReportingConsole(load_config(first)), resume=True)
+    resumed = (out / "adapter.metrics.jsonl").read_text()
+    assert resumed.startswith(kept["adapter"])
+    assert [r["step"] for r in map(json.loads, resumed[len(kept["adapter"]):].splitlines()) if "train/loss" in r] == [4, 5, 6]
+    assert (out / "second.metrics.jsonl").read_text() == kept["second"]
+    sft.run(load_config(second), ReportingConsole(load_config(second)))  # without --resume: afresh, as before
+    assert len([r for r in records(out / "second.metrics.jsonl") if "train/loss" in r]) == 6
+
+    result = cli("report", out)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "2 runs (adapter.metrics.jsonl, second.metrics.jsonl)" in lines[0], result.stderr
+    for run in (second, out / "second.gguf", out / "second.metrics.jsonl"):
+        result = cli("report", run)
+        assert result.returncode == 0 and result.stdout.strip() == f"report: {out / 'second.report.html'}", result.stderr
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
+
+
+def change_line(first_with: str, change: dict):
+    """A change to the first JSONL line holding key `first_with`."""
+    def corrupt(text: str) -> str:
+        lines = text.splitlines()
+        k = next(i for i, line in enumerate(lines) if first_with in json.loads(line))
+        lines[k] = json.dumps(json.loads(lines[k]) | change)
+        return "\n".join(lines) + "\n"
+    return corrupt
+
+
+METRICS, ROLLOUTS, PROGRESS = "adapter.metrics.jsonl", "adapter.rollouts.jsonl", "ckpt/step-000000000001.state/progress.json"
+MALFORMED = {
+    "metrics nested too deep": (METRICS, lambda text: text + DEEP + "\n"),
+    "metrics null timing": (METRICS, change_line("timing/update_seconds", {"timing/update_seconds": None})),
+    "metrics string time": (METRICS, change_line("timing/update_seconds", {"time": "soon"})),
+    "metrics number beyond float": (METRICS, change_line("timing/update_seconds", {"timing/generation_seconds": 10**400})),
+    "metrics not an object": (METRICS, lambda text: text + "[1, 2]\n"),
+    "rollouts nested too deep": (ROLLOUTS, lambda text: text + DEEP + "\n"),
+    "rollouts list update": (ROLLOUTS, change_line("update", {"update": [1]})),
+    "rollouts calls not a list": (ROLLOUTS, change_line("update", {"turns": [{"assistant": "x", "calls": 5}]})),
+    "progress best_eval string": (PROGRESS, lambda text: json.dumps(json.loads(text) | {"best_eval": "high"})),
+    "progress null step": (PROGRESS, lambda text: json.dumps(json.loads(text) | {"global_step": None})),
+    "progress nested too deep": (PROGRESS, lambda text: DEEP),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_record_is_left_out_and_counted(grpo_run, tmp_path, case):
+    """Each file the report reads, damaged one way: `retrograd report` still writes the page
+    (exit 0), leaves the bad line or checkpoint out and says so on the page and in one note."""
+    name, corrupt = MALFORMED[case]
+    folder = tmp_path / "out"
+    shutil.copytree(grpo_run[0] / "out", folder)
+    (folder / name).write_text(corrupt((folder / name).read_text()))
+    result = cli("report", folder)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    left_out = "1 checkpoint (progress.json)" if name == PROGRESS else f"1 line of {folder / name}"
+    assert result.stderr.strip() == f"note: left out as malformed: {left_out}"
+    page = (folder / "adapter.report.html").read_text()
+    assert re.search(rf'<p id="skipped" class="error">Left out as malformed[^<]*{re.escape(left_out)}\.</p>', page)
+
+
+def test_a_rollout_too_deep_to_print_is_left_out():
+    """json.loads stops about where printing would: a value just within its reach must not
+    take the page down when it is printed (str and json.dumps recurse too)."""
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert _browsable({"update": 1, "group": 0, "prompt": deep}) is None
+    assert _browsable({"update": 1, "group": 0, "turns": [{"calls": [{"arguments": deep}]}]}) is None
+    assert _browsable({"update": 1, "group": 0, "prompt": "2 + 2?"})["prompt"] == "2 + 2?"

@@ -105,7 +105,7 @@ def losses_by_step(metrics: Path) -> dict[int, list[float]]:
 def test_metrics_and_tensorboard_events(tmp_path, tiny_model):
     cfg = write_config(tmp_path, tiny_model("llama"), extra='[metrics]\ntensorboard_dir = "tb"\n[evaluation]\ndata = "train.jsonl"')
     result = sft.run(load_config(cfg), SilentReporter())
-    rows = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "out/adapter.metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     assert len(steps) == result.steps and all({"train/lr", "train/tokens_per_second", "system/rss_bytes"} <= set(r) for r in steps)
     assert any("eval/loss" in r and "eval/perplexity" in r for r in rows)
@@ -121,7 +121,7 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, tiny_model):
         d.mkdir()
         write_config(d, base, training="epochs = 3\nlr_scheduler = \"cosine\"\nwarmup_steps = 2", checkpoint=ckpt)
     subprocess.run([*RETROGRAD, "train", "run.toml"], cwd=straight_dir, check=True, capture_output=True)
-    reference = {s: v[0] for s, v in losses_by_step(straight_dir / "out/metrics.jsonl").items()}
+    reference = {s: v[0] for s, v in losses_by_step(straight_dir / "out/adapter.metrics.jsonl").items()}
     assert len(reference) >= 12
 
     # The kill point is seeded so a failure reproduces: RETROGRAD_TEST_SEED=N picks another one.
@@ -129,7 +129,7 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, tiny_model):
     kill_after = random.Random(seed).randint(2, len(reference) - 3)
     print(f"SIGKILL once metrics.jsonl has {kill_after} of {len(reference)} step lines (RETROGRAD_TEST_SEED={seed})")
     proc = subprocess.Popen([*RETROGRAD, "train", "run.toml"], cwd=killed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    metrics = killed_dir / "out/metrics.jsonl"
+    metrics = killed_dir / "out/adapter.metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:

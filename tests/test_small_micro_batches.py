@@ -168,7 +168,7 @@ def test_reused_forward_and_skipped_reference_give_the_full_computation(tmp_path
                        .replace("micro_batch = 256", f"micro_batch = {micro_batch}").replace("threads = 2", "threads = 1"))
         monkeypatch.setattr(PolicyOptimizer, "reuse_first_forward", reuse)
         grpo.run(load_config(cfg), SilentReporter())
-        runs[reuse] = update_rows(d / "out/metrics.jsonl")
+        runs[reuse] = update_rows(d / "out/adapter.metrics.jsonl")
     reused, full = runs[True], runs[False]
     assert len(reused) == len(full) == 2
     for a, b in zip(reused, full):

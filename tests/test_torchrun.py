@@ -34,7 +34,7 @@ def train(folder: Path, ranks: int) -> subprocess.CompletedProcess:
 
 
 def rows(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "out/metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (folder / "out/adapter.metrics.jsonl").read_text().splitlines()]
 
 
 def close(a: float, b: float) -> bool:
@@ -125,8 +125,8 @@ def test_grpo_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
     for key in ("policy/total_loss", "policy/ratio_min", "policy/ratio_max", "policy/logprob_mismatch_abs_mean"):
         assert close(a[key], b[key]), (key, a[key], b[key])
     assert a["batch/trained_tokens"] == b["batch/trained_tokens"]
-    one_rollouts = [json.loads(line) for line in (tmp_path / "one/out/rollouts.jsonl").read_text().splitlines()]
-    two_rollouts = [json.loads(line) for line in (tmp_path / "two/out/rollouts.jsonl").read_text().splitlines()]
+    one_rollouts = [json.loads(line) for line in (tmp_path / "one/out/adapter.rollouts.jsonl").read_text().splitlines()]
+    two_rollouts = [json.loads(line) for line in (tmp_path / "two/out/adapter.rollouts.jsonl").read_text().splitlines()]
     assert len(one_rollouts) == len(two_rollouts) == 8
     for x, y in zip(one_rollouts, two_rollouts):
         assert x["completion_ids"] == y["completion_ids"]

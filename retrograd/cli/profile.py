@@ -12,7 +12,7 @@ from retrograd.cli.options import ModelOpt
 
 
 @app.command(epilog="Examples: bin/profile examples/smoke_tiny_grpo.toml --group-size 8 --max-new-tokens 16 | "
-                    "bin/profile --timeline out/smoke_grpo/timeline.jsonl")
+                    "bin/profile --timeline out/smoke_grpo/smoke_grpo.timeline.jsonl")
 def profile(
     config: Optional[Path] = typer.Argument(None, help="A grpo or agent_grpo run's TOML file."),
     model: ModelOpt = None,
@@ -25,7 +25,7 @@ def profile(
     full: bool = typer.Option(False, "--full", help="Run the workload as configured instead of the short default."),
     timeline: Optional[Path] = typer.Option(
         None, "--timeline", metavar="TIMELINE_JSONL",
-        help="Run nothing: summarise a finished run's timeline.jsonl (busy and waiting time per side, the bottleneck)."),
+        help="Run nothing: summarise a finished run's NAME.timeline.jsonl (busy and waiting time per side, the bottleneck)."),
 ) -> None:
     """Run a short GRPO or agentic GRPO workload and report where the time and memory go."""
     from retrograd.cli.train import sampler_warning

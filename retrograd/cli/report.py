@@ -1,4 +1,4 @@
-"""`retrograd report RUN`: write the run's report.html (the building is retrograd.run_report)."""
+"""`retrograd report RUN`: write the run's NAME.report.html (the building is retrograd.run_report)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,20 @@ from retrograd.cli import app
 
 
 @app.command(
-    epilog="Examples: retrograd report out/ | retrograd report examples/smoke_tiny_grpo.toml | retrograd report out/ --out /tmp/run.html",
+    epilog="Examples: retrograd report examples/smoke_tiny_grpo.toml | retrograd report out/smoke_grpo/smoke_grpo.gguf | "
+           "retrograd report out/smoke_grpo/ --out /tmp/run.html",
 )
 def report(
-    run: Annotated[Path, typer.Argument(help="The run's folder (where metrics.jsonl is), or its config .toml.")],
-    out: Annotated[Path | None, typer.Option("--out", help="Where to write the page (default: RUN/report.html).")] = None,
+    run: Annotated[Path, typer.Argument(help="The run's config .toml, its output .gguf, its NAME.metrics.jsonl, or the folder "
+                                             "holding that (when it holds one run's).")],
+    out: Annotated[Path | None, typer.Option("--out", help="Where to write the page (default: NAME.report.html beside "
+                                                           "NAME.metrics.jsonl).")] = None,
 ) -> None:
-    """Write one self-contained report.html (curves, update timeline, rollouts, checkpoints) that opens offline."""
+    """Write one self-contained NAME.report.html (curves, update timeline, rollouts, checkpoints) that opens offline."""
     from retrograd.run_report import RunReport, locate
 
-    print(f"report: {RunReport(locate(run)).write(out)}")
+    report = RunReport(locate(run))
+    written = report.write(out)
+    if report.skipped:
+        typer.echo(f"note: left out as malformed: {'; '.join(report.skipped)}", err=True)
+    print(f"report: {written}")

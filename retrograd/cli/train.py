@@ -58,12 +58,12 @@ def train(
 
 
 class ReportingConsole(ConsoleReporter):
-    """The console, and the run's report.html rewritten at every checkpoint."""
+    """The console, and the run's NAME.report.html rewritten at every checkpoint."""
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.report = None  # a RunReport once the run has written metrics.jsonl
+        self.report = None  # a RunReport once the run has written its metrics
 
     def checkpoint(self, path: Path) -> None:
         super().checkpoint(path)
@@ -78,7 +78,7 @@ class ReportingConsole(ConsoleReporter):
             self.report = self.report or RunReport(run_files(self.cfg))
             return self.report.write()
         except Exception as e:  # noqa: BLE001 (see the docstring)
-            super().message(f"note: report.html not written ({type(e).__name__}: {e})")
+            super().message(f"note: the report was not written ({type(e).__name__}: {e})")
             return None
 
 

@@ -24,7 +24,7 @@ from retrograd.recipes.common import open_chat, prepare, resume_point, signature
 from retrograd.training.batches import LogprobOptions, batch_logprobs, epoch_plan, mean_loss, pack
 from retrograd.training.checkpoint import check_signature, step_name
 from retrograd.training.distributed import init_ranks
-from retrograd.training.metrics import MetricsSink, NullMetrics
+from retrograd.training.metrics import MetricsSink, NullMetrics, run_record
 from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
 from retrograd.training.report import Reporter
 from retrograd.training.state import restore_state, save_state, track_evaluation
@@ -83,7 +83,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     reporter.message(f"sft: examples={len(examples)}, epochs={t.epochs}, steps_per_epoch={len(plans[0])}, steps={total_steps}")
     out_dir = cfg.output.path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = (MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=checkpoint is not None)
+    metrics = (MetricsSink(run_record(cfg, "metrics.jsonl"), cfg.metrics.tensorboard_dir, append=checkpoint is not None)
                if ranks.is_main else NullMetrics())
 
     def save(name: str) -> Path | None:

@@ -1,11 +1,21 @@
-"""Where numbers go: metrics.jsonl beside the output (one JSON object per record) and,
-when [metrics].tensorboard_dir is set, TensorBoard event files (one subdirectory per run)."""
+"""Where numbers go: NAME.metrics.jsonl beside the output NAME.gguf (one JSON object per
+record) and, when [metrics].tensorboard_dir is set, TensorBoard event files (one
+subdirectory per run)."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+
+
+def run_record(cfg, record: str) -> Path:
+    """Where `cfg`'s run keeps `record` (metrics.jsonl, rollouts.jsonl, timeline.jsonl,
+    report.html): named after the output, beside it (rollouts.jsonl in [observe].directory
+    when set), so out/a.gguf's metrics are out/a.metrics.jsonl. Runs sharing a folder keep
+    their own records; a rerun of the same output starts them afresh, `--resume` appends."""
+    directory = cfg.observe.directory if record == "rollouts.jsonl" and cfg.observe else cfg.output.path.parent
+    return directory / f"{cfg.output.path.stem}.{record}"
 
 
 class MetricsSink:

@@ -24,7 +24,7 @@ class Reporter(Protocol):
         """The table and bar are complete."""
 
     def checkpoint(self, path: Path) -> None:
-        """A checkpoint was written at `path` (the CLI says so and refreshes report.html)."""
+        """A checkpoint was written at `path` (the CLI says so and refreshes NAME.report.html)."""
 
 
 class SilentReporter:

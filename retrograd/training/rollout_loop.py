@@ -33,7 +33,7 @@ from retrograd.training.batches import LogprobOptions
 from retrograd.training.checkpoint import Checkpoint, check_signature, step_name
 from retrograd.training.distributed import init_ranks
 from retrograd.training.duty_cycle import for_device
-from retrograd.training.metrics import MetricsSink, NullMetrics
+from retrograd.training.metrics import MetricsSink, NullMetrics, run_record
 from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_sources import AsyncSource, Delivery, RankSource, SyncSource
@@ -237,9 +237,6 @@ class _Loop:
         self.progress = {"update": 0, "global_step": 0, "prompt_cursor": 0, "best_eval": None, "stale_evals": 0} | recipe.state
         self.rss_after_load = rss_bytes()
         self.totals = RunTotals(recipe.loss_key)
-        out_dir = cfg.output.path.parent
-        self.out_dir = out_dir
-        self.rollouts_path = (cfg.observe.directory if cfg.observe else out_dir) / "rollouts.jsonl"
 
     def run(self, checkpoint: Checkpoint | None) -> RolloutResult:
         recipe = self.recipe
@@ -259,8 +256,8 @@ class _Loop:
                 f"max_async_rollout = {ahead}: sampling restarts at update {self.progress['update'] + 1} with the "
                 "checkpointed adapter, so the rest of the run differs from one that was never stopped")
         main = self.ranks.is_main  # under torchrun rank 0 samples and writes; the others train
-        with _outputs(self.cfg, self.rollouts_path, append=append, write=main) as (metrics, rollouts_file), \
-                Timeline(self.out_dir / "timeline.jsonl" if main else None,
+        with _outputs(self.cfg, append=append, write=main) as (metrics, rollouts_file), \
+                Timeline(run_record(self.cfg, "timeline.jsonl") if main else None,
                          resumed_at=self.progress["update"] if append else None) as timeline:
             self.metrics, self.timeline = metrics, timeline
             source = None
@@ -413,19 +410,18 @@ def _truncated(rollout) -> bool:
 
 
 @contextmanager
-def _outputs(cfg, rollouts_path: Path, *, append: bool, write: bool = True) -> Iterator[tuple[MetricsSink, object]]:
-    """metrics.jsonl beside the output (plus TensorBoard when asked) and rollouts.jsonl, both
-    appended to when the run resumes; with write False (torchrun ranks other than 0) sinks
-    that keep nothing."""
+def _outputs(cfg, *, append: bool, write: bool = True) -> Iterator[tuple[MetricsSink, object]]:
+    """NAME.metrics.jsonl beside the output (plus TensorBoard when asked) and NAME.rollouts.jsonl,
+    both appended to when the run resumes; with write False (torchrun ranks other than 0)
+    sinks that keep nothing."""
     if not write:
         with open(os.devnull, "w", encoding="utf-8") as nowhere:
             yield NullMetrics(), nowhere
         return
-    out_dir = cfg.output.path.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+    rollouts_path = run_record(cfg, "rollouts.jsonl")
     rollouts_path.parent.mkdir(parents=True, exist_ok=True)
     with (
-        MetricsSink(out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=append) as metrics,
+        MetricsSink(run_record(cfg, "metrics.jsonl"), cfg.metrics.tensorboard_dir, append=append) as metrics,
         open(rollouts_path, "a" if append else "w", encoding="utf-8") as rollouts,
     ):
         yield metrics, rollouts

@@ -1,6 +1,6 @@
-"""timeline.jsonl: every timed phase of every update as a start/end event, and one line of
-counters per update, so a run can be read afterwards the way the seed's tuning guide reads
-one (which side waits for which).
+"""NAME.timeline.jsonl (beside the output NAME.gguf): every timed phase of every update as
+a start/end event, and one line of counters per update, so a run can be read afterwards the
+way the seed's tuning guide reads one (which side waits for which).
 
 Lines, all JSON objects:
 - `{"event": "start", "time": UNIX_SECONDS, "resumed_at": UPDATE | null}` when a run (or a
@@ -94,7 +94,7 @@ class PhaseClock(dict):
 
 
 def read_timeline(path: Path) -> tuple[list[dict], dict[int, dict]]:
-    """The spans and the counters per update of a timeline.jsonl. A resumed run appends its
+    """The spans and the counters per update of a NAME.timeline.jsonl. A resumed run appends its
     own lines after a new start line: its span times are shifted to follow the earlier
     run's, and counters of an update done twice keep the later."""
     try:
@@ -117,7 +117,7 @@ def read_timeline(path: Path) -> tuple[list[dict], dict[int, dict]]:
                 end = max(end, span["end"])
             elif "counters" in record:
                 counters[int(record["update"])] = {k: float(v) for k, v in dict(record["counters"]).items()}
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
             raise DataError(f"{path}:{number}: not a timeline.jsonl line (expected a JSON object with a start event, "
                             "a phase span or counters)") from None
     return spans, counters

@@ -51,7 +51,7 @@ from retrograd.teacher import (
 )
 from retrograd.training.batches import LogprobOptions, epoch_plan, mean_loss, pack
 from retrograd.training.checkpoint import check_signature, file_fingerprint
-from retrograd.training.metrics import MetricsSink
+from retrograd.training.metrics import MetricsSink, run_record
 from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
 from retrograd.training.scoring import Rollout
@@ -240,9 +240,8 @@ class OfflineLoop(RecipeLoop):
         records, tokens, seconds = [], 0, 0.0
         self.reporter.start(total, ["epoch", "step", "topk_ce", "eval_loss", "lr", "tok/s"], "steps")
         self.reporter.advance(self.progress["global_step"], "")
-        out_dir = cfg.output.path.parent
         with MetricsSink(
-            out_dir / "metrics.jsonl", cfg.metrics.tensorboard_dir, append=checkpoint is not None
+            run_record(cfg, "metrics.jsonl"), cfg.metrics.tensorboard_dir, append=checkpoint is not None
         ) as metrics:
             try:
                 for epoch in range(self.progress["epoch"], d.offline_epochs):
