@@ -27,6 +27,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,7 +232,8 @@ class Generation:
     held back until they are ruled out); afterwards `text`, `completion_tokens` and
     `finish_reason` ("stop": end of turn or a stop string, "length": the token budget or
     the context ran out) are set. Abandoning the iteration leaves the model ready for the
-    next call."""
+    next call; so does setting `cancelled` (from any thread), which ends the iteration
+    before its next token with `finish_reason` None."""
 
     def __init__(self, inference: Inference, name: str, prompt: list[int], settings: Settings, budget: int):
         self.inference, self.name, self.prompt, self.settings = inference, name, prompt, settings
@@ -241,6 +243,7 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.text = ""
+        self.cancelled = threading.Event()
 
     def __iter__(self) -> Iterator[str]:
         inf, s = self.inference, self.settings
@@ -250,6 +253,8 @@ class Generation:
         stops = _StopStrings(s.stop)
         row, self.reused = inf._prefill(self.name, self.prompt)
         while True:
+            if self.cancelled.is_set():
+                return
             token = int(np.argmax(row)) if sampling is None else sample_token(row, sampling, rng)[0]
             if token in inf.stop_ids:
                 self.finish_reason = "stop"

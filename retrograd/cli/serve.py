@@ -1,6 +1,6 @@
 """`retrograd serve`: the base and its adapters behind an OpenAI-compatible HTTP API
-(retrograd/serve.py). The port is bound before the model loads, so a port in use costs
-nothing but one line."""
+(retrograd/serve.py). The port is bound before the model loads, so a port in use (or an
+address other machines reach, without a key) costs nothing but one line."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from retrograd.cli import app
 from retrograd.cli.chat import ChatTemplateOpt, CtxOpt, ThreadsOpt
 from retrograd.cli.options import ModelOpt
 from retrograd.errors import ConfigError
+from retrograd.http_guard import API_KEY_ENV, require_key_off_loopback, resolve_api_key
+
+MAX_REQUEST_BYTES = 4 * 2**20  # a prompt must fit the context anyway: 4 MiB is ~1M tokens of text
+MAX_QUEUE = 16  # requests waiting for the model while one generates
 
 
 @app.command(
@@ -37,6 +41,21 @@ def serve(
     chat_template: ChatTemplateOpt = None,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = 0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            metavar="KEY",
+            help=f"Requests must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none; "
+            "required off loopback).",
+        ),
+    ] = None,
+    max_request_bytes: Annotated[
+        int, typer.Option("--max-request-bytes", min=1, help="Larger request bodies get 413.")
+    ] = MAX_REQUEST_BYTES,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", min=0, help="Requests that may wait while one generates; more get 429.")
+    ] = MAX_QUEUE,
 ) -> None:
     """Serve the model as `base` and each adapter by name at /v1 (chat/completions, completions, models)."""
     import uvicorn
@@ -46,6 +65,8 @@ def serve(
     from retrograd.serve import create_app
 
     adapters = named_adapters(adapter or [])
+    key = resolve_api_key(api_key)
+    require_key_off_loopback(host, key)
     sock = bind(host, port)
     with (
         sock,
@@ -56,7 +77,7 @@ def serve(
         bound_host, bound_port = sock.getsockname()[:2]
         url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
         print(f"serving {', '.join(inference.names)} at http://{url_host}:{bound_port}/v1 (Ctrl-C stops)", flush=True)
-        api = create_app(inference)
+        api = create_app(inference, api_key=key, max_request_bytes=max_request_bytes, max_queue=max_queue)
         server = uvicorn.Server(uvicorn.Config(api, log_level="warning", timeout_graceful_shutdown=5))
         try:
             server.run(sockets=[sock])
