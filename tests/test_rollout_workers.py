@@ -311,7 +311,7 @@ def test_bad_adapter_bodies_are_400_with_one_line_and_change_nothing(workers, ti
         (adapter_body(good, blob[:-4]), "the header's tensors take 2048 bytes, 2044 follow it", "DataError"),
         (adapter_body(changed(tensors=[entry, entry]), blob + blob), f"tensor {name} is listed twice", "DataError"),
         (adapter_body(changed(tensors=[{**entry, "a": [4, 32]}]), a[:, :32].tobytes() + b.tobytes()),
-         f"adapter weight {name}: lora_a [4, 32] / lora_b [64, 4] do not fit the base [64, 64] (expected [r, 64] and [64, r])", "GGUFError"),
+         f"adapter weight {name}: lora_a [4, 32] / lora_b [64, 4] do not fit the base [64, 64] (expected [r, 64] and [64, r], r >= 1)", "GGUFError"),
     ]  # fmt: skip
     for body, message, kind in cases:
         assert post(url, "/adapter", body) == (400, {"error": {"message": message, "kind": kind}})

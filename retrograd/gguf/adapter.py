@@ -53,18 +53,22 @@ def adapter_tensors(adapter) -> dict[str, LoRAWeights]:
 
 def check_shapes(tensors: dict[str, LoRAWeights], base_shapes: dict[str, tuple[int, ...]]) -> int:
     """Every pair fits its base weight [n_out, n_in] (or expert stack [n_expert, n_out, n_in])
-    and all share one rank; returns the rank."""
+    and all share one rank of at least 1; returns the rank (0: no tensors)."""
     ranks = set()
     for name, w in tensors.items():
         if name not in base_shapes:
             raise GGUFError(f"adapter weight {name} does not exist in the base model")
+        if len(base_shapes[name]) not in (2, 3):
+            raise GGUFError(
+                f"adapter weight {name}: the base's {list(base_shapes[name])} is not a matrix or an expert stack"
+            )
         *stack, n_out, n_in = base_shapes[name]
         r = w.a.shape[-2] if w.a.ndim >= 2 else 0
-        if w.a.shape != (*stack, r, n_in) or w.b.shape != (*stack, n_out, r):
+        if w.a.shape != (*stack, r, n_in) or w.b.shape != (*stack, n_out, r) or r == 0:
             lead = "".join(f"{n}, " for n in stack)
             raise GGUFError(
                 f"adapter weight {name}: lora_a {list(w.a.shape)} / lora_b {list(w.b.shape)} do not fit the base "
-                f"{list(base_shapes[name])} (expected [{lead}r, {n_in}] and [{lead}{n_out}, r])"
+                f"{list(base_shapes[name])} (expected [{lead}r, {n_in}] and [{lead}{n_out}, r], r >= 1)"
             )
         ranks.add(r)
     if len(ranks) > 1:

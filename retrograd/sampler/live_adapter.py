@@ -80,6 +80,7 @@ class LiveAdapter:
                 a[...] = w.a
                 b[...] = w.b
             return
+        self._layout, self._views = None, {}  # the file is replaced: until it is mapped, nothing is written in place
         write_adapter(self.file, tensors, arch=self.arch, alpha=alpha, base_shapes=self.base_shapes)
         written = GGUFFile(self.file)
         data = np.memmap(self.file, dtype=np.uint8, mode="r+")
