@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -279,6 +280,7 @@ class ObserveSection:
 class RolloutSection:
     workers: tuple[str, ...] = key(())  # URLs of `retrograd rollout-worker` processes
     local_workers: int = key(0, ge=0)  # worker processes the trainer starts on this machine
+    api_key_env: str = key("RETROGRAD_API_KEY")  # the environment variable holding the workers' API key (never the key)
 
 
 SECTION_TYPES: dict[str, type] = {
@@ -431,6 +433,9 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
     for url in rollout.workers if rollout is not None else ():
         if not url.startswith("http://"):
             problems.append(f"rollout.workers: {url!r} is not an http:// URL")
+    if rollout is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", rollout.api_key_env):
+        problems.append("rollout.api_key_env: not the name of an environment variable (letters, digits and _): it "
+                        "names the variable holding the workers' API key, never the key itself")
     if training.max_async_rollout and training.max_gpu_duty_cycle < 1:
         problems.append("training.max_gpu_duty_cycle < 1 with max_async_rollout > 0: the duty cycle paces one side at a "
                         "time; keep one of them")

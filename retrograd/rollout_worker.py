@@ -10,10 +10,14 @@ POST /generate     {"requests": [{"prompt", "seeds", "max_new_tokens", "temperat
                    (its continuous batching), the version the whole batch was sampled with
 POST /adapter      remote.encode_adapter's body: a JSON header (alpha, version, each tensor's name
                    and shapes) and one float32 blob of the tensors (none: the base model)
-                   -> the refresh timing and the version now live
+                   -> the refresh timing and the version now live; a refused push leaves the
+                   adapter and version live before it in place
 
 Calls take turns on the one Sampler (a lock). A refusal is 4xx with
 {"error": {"message": one line, "kind": the retrograd.errors class}}, never a traceback.
+In front of every route (retrograd.http_guard.Guard): with an API key, 401 without
+`Authorization: Bearer KEY`; 413 for a /generate body over 16 MiB or an /adapter body over
+what a LoRA of `max_adapter_rank` on every matrix of the model would take.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from starlette.exceptions import HTTPException
 
 from retrograd.errors import RetrogradError
 from retrograd.gguf.adapter import LoRAWeights
+from retrograd.http_guard import Guard
 from retrograd.sampler import GroupRequest, Sampler, Sampling
 from retrograd.sampler.remote import ADAPTER_HEADER_SIZE, ADAPTER_MAGIC, completion_json, error_json, model_identity
 
 MAX_ADAPTER_HEADER_BYTES = 1 << 20  # some 10,000 tensors' names and shapes
+MAX_GENERATE_BYTES = 16 << 20  # some 2.4 million prompt tokens per call
 
 
 class GroupBody(BaseModel):
@@ -74,7 +80,7 @@ class AdapterHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     alpha: Annotated[float, Field(allow_inf_nan=False)]
-    version: Annotated[int, Field(ge=0)]
+    version: Annotated[str, Field(min_length=1, max_length=100)]  # the client's id and push count (remote.py)
     tensors: list[AdapterTensor]
 
 
@@ -84,10 +90,18 @@ class Refusal(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
-def create_app(sampler: Sampler, model_path: Path) -> FastAPI:
-    """The app over `sampler`; `app.state.lock` is held while the sampler works (the CLI
-    takes it before closing the sampler)."""
+def create_app(sampler: Sampler, model_path: Path, *, api_key: str | None, max_adapter_rank: int) -> FastAPI:
+    """The app over `sampler`, behind a Guard with `api_key` (None: no key asked);
+    `app.state.lock` is held while the sampler works (the CLI takes it before closing the
+    sampler)."""
     app = FastAPI(title="retrograd rollout worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=MAX_GENERATE_BYTES,
+        refusal=lambda status, message: error_json(message, "ConfigError" if status == 401 else "DataError"),
+        path_limits={"/adapter": adapter_body_limit(sampler.adapter.base_shapes, max_adapter_rank)},
+    )
     app.state.lock = lock = threading.Lock()
     identity = model_identity(model_path)
     options = sampler.options
@@ -166,7 +180,15 @@ def create_app(sampler: Sampler, model_path: Path) -> FastAPI:
     return app
 
 
-def read_adapter_body(body: bytes) -> tuple[dict[str, LoRAWeights], float, int]:
+def adapter_body_limit(base_shapes: dict[str, tuple[int, ...]], max_rank: int) -> int:
+    """The bytes of the largest POST /adapter body worth reading: a float32 LoRA of `max_rank`
+    on every matrix and expert stack of the model, behind the largest header."""
+    matrices = [shape for shape in base_shapes.values() if len(shape) in (2, 3)]
+    per_rank = sum(prod(shape[:-2]) * (shape[-2] + shape[-1]) for shape in matrices)
+    return len(ADAPTER_MAGIC) + ADAPTER_HEADER_SIZE.size + MAX_ADAPTER_HEADER_BYTES + 4 * max_rank * per_rank
+
+
+def read_adapter_body(body: bytes) -> tuple[dict[str, LoRAWeights], float, str]:
     """The body of POST /adapter (remote.encode_adapter) -> (tensors by base weight name, alpha,
     version). The tensors are read-only views of `body`, so nothing is parsed per array; their
     shapes are the Sampler's to check against the model."""

@@ -113,7 +113,8 @@ def test_two_workers_sample_what_the_local_sampler_does_with_and_without_an_adap
         assert outcome(base) == outcome(local.generate(requests))
 
         timing = remote.set_adapter(adapter)
-        assert remote.adapter_version == 1 and [info(url)["adapter_version"] for url in workers.urls] == [1, 1]
+        pushed = f"{remote.client_id}.1"  # connect pushed the base as .0
+        assert remote.adapter_version == pushed and [info(url)["adapter_version"] for url in workers.urls] == [pushed] * 2
         assert set(timing.refresh) == set(workers.urls) and timing.total_s > 0
         tuned = remote.generate(requests)
         local.set_adapter(adapter)
@@ -271,15 +272,15 @@ def test_an_adapter_body_carries_every_tensor_bit_for_bit():
             np.asfortranarray(rng.standard_normal((3, 7, 4), np.float32)),
         ),
     }  # float64 and non-contiguous inputs are sent as float32
-    body = encode_adapter(tensors, 8, 5)
+    body = encode_adapter(tensors, 8, "v5")
     blob_bytes = 4 * sum(w.a.size + w.b.size for w in tensors.values())
     assert body.startswith(ADAPTER_MAGIC) and (len(body) - blob_bytes) % 8 == 0  # the blob starts aligned
     decoded, alpha, version = read_adapter_body(bytes(body))
-    assert (alpha, version, list(decoded)) == (8.0, 5, list(tensors))
+    assert (alpha, version, list(decoded)) == (8.0, "v5", list(tensors))
     for name, sent in tensors.items():
         for got, want in ((decoded[name].a, sent.a), (decoded[name].b, sent.b)):
             assert got.dtype == np.float32 and got.tobytes() == np.asarray(want, np.float32).tobytes()
-    assert read_adapter_body(bytes(encode_adapter({}, 1.0, 0))) == ({}, 1.0, 0)
+    assert read_adapter_body(bytes(encode_adapter({}, 1.0, "0"))) == ({}, 1.0, "0")
 
 
 def test_bad_adapter_bodies_are_400_with_one_line_and_change_nothing(workers, tiny, adapter):
@@ -288,7 +289,7 @@ def test_bad_adapter_bodies_are_400_with_one_line_and_change_nothing(workers, ti
     a, b = np.zeros((4, 64), np.float32), np.zeros((64, 4), np.float32)
     name = "blk.0.attn_q.weight"
     entry = {"name": name, "a": [4, 64], "b": [64, 4]}
-    good, blob = {"alpha": 8.0, "version": 3, "tensors": [entry]}, a.tobytes() + b.tobytes()
+    good, blob = {"alpha": 8.0, "version": "3", "tensors": [entry]}, a.tobytes() + b.tobytes()
     changed = lambda **fields: {**good, **fields}
     cases = [
         (b"PK not ours", "the body is not an adapter as encode_adapter writes it (starting RGLORA01)", "DataError"),
@@ -296,9 +297,9 @@ def test_bad_adapter_bodies_are_400_with_one_line_and_change_nothing(workers, ti
          "the header's length 1073741824 exceeds the body or the limit of 1048576 bytes", "DataError"),
         (adapter_body(b'{"alpha": 8', blob), "the header is not valid JSON", "DataError"),
         (adapter_body({"version": 3, "tensors": [entry]}, blob), "alpha: Field required", "DataError"),
-        (adapter_body(b'{"alpha": NaN, "version": 3, "tensors": []}', b""), "alpha: Input should be a finite number", "DataError"),
-        (adapter_body(changed(version=-1), blob), "version: Input should be greater than or equal to 0", "DataError"),
-        (adapter_body(changed(version="3"), blob), "version: Input should be a valid integer", "DataError"),
+        (adapter_body(b'{"alpha": NaN, "version": "3", "tensors": []}', b""), "alpha: Input should be a finite number", "DataError"),
+        (adapter_body(changed(version=""), blob), "version: String should have at least 1 character", "DataError"),
+        (adapter_body(changed(version=3), blob), "version: Input should be a valid string", "DataError"),
         (adapter_body(changed(tensors=[{"name": name, "a": [4, 64]}]), blob), "tensors.0.b: Field required", "DataError"),
         (adapter_body(changed(tensors=[{**entry, "a": [4, -64]}]), blob),
          "tensors.0.a.1: Input should be greater than or equal to 0", "DataError"),
@@ -322,8 +323,8 @@ def test_bad_adapter_bodies_are_400_with_one_line_and_change_nothing(workers, ti
             remote.set_adapter({name: LoRAWeights(a[:, :32], b)}, alpha=8.0)
         with pytest.raises(DataError, match=rf"^rollout worker {url}: sampler: request 0 has token id 49152"):
             remote.generate([GroupRequest([49152], [1], Sampling(3))])
-        assert post(url, "/adapter", encode_adapter({}, 1.0, 7))[0] == 200  # someone else pushes
-        with pytest.raises(DataError, match=r"sampled with adapter version 7, the last pushed is 0 "):
+        assert post(url, "/adapter", encode_adapter({}, 1.0, "7"))[0] == 200  # someone else pushes
+        with pytest.raises(DataError, match=rf"sampled with adapter version '7', the last pushed is '{remote.client_id}\.0' "):
             remote.generate(groups(2, 1, 2))
 
 

@@ -2,13 +2,14 @@
 machines (retrograd/rollout_worker.py, client in retrograd/sampler/remote.py). The port is
 bound before the model loads, so a port in use costs one line; once serving, the worker
 prints one line `rollout-worker: listening on http://HOST:PORT (MODEL)` (with --port 0, the
-port it got). SIGTERM, like Ctrl-C, stops it after the call in progress, freeing the model
-and the adapter files in /dev/shm."""
+port it got). Off loopback it needs an API key (--api-key or $RETROGRAD_API_KEY), which
+every request must then send as `Authorization: Bearer KEY`. SIGTERM, like Ctrl-C, stops it
+after the call in progress, freeing the model and the adapter files in /dev/shm."""
 
 from __future__ import annotations
 
 import signal
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -16,6 +17,7 @@ from retrograd.cli import app
 from retrograd.cli.chat import ThreadsOpt
 from retrograd.cli.options import ModelOpt
 from retrograd.cli.serve import bind
+from retrograd.http_guard import require_key_off_loopback, resolve_api_key
 
 
 @app.command(
@@ -35,6 +37,20 @@ def rollout_worker(
     ] = 8,
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="f16 (fast) or f32 (\\[training] kv_dtype).")] = "f16",
     threads: ThreadsOpt = 0,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            "--api-key",
+            help="Answer only requests with 'Authorization: Bearer KEY' (default: $RETROGRAD_API_KEY, which "
+            "other users cannot read in the process list); required unless --host is loopback.",
+        ),
+    ] = None,
+    max_adapter_rank: Annotated[
+        int,
+        typer.Option(
+            "--max-adapter-rank", min=1, help="Largest LoRA rank a push may carry (bounds the bytes of POST /adapter)."
+        ),
+    ] = 256,
 ) -> None:
     """Serve GRPO / distillation rollouts of the model with a live LoRA (GET /info, POST /generate, POST /adapter)."""
     import uvicorn
@@ -45,11 +61,13 @@ def rollout_worker(
 
     options = SamplerOptions(n_ctx=ctx, n_seq_max=concurrency, kv_dtype=kv_dtype, n_threads=threads)
     path = model or default_model_path()
+    key = resolve_api_key(api_key)
+    require_key_off_loopback(host, key)
     sock = bind(host, port)
     signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises it after its shutdown: unwind, then exit
     try:
         with sock, Sampler(path, options) as sampler:
-            api = create_app(sampler, path)
+            api = create_app(sampler, path, api_key=key, max_adapter_rank=max_adapter_rank)
             bound_host, bound_port = sock.getsockname()[:2]
             url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
             print(f"rollout-worker: listening on http://{url_host}:{bound_port} ({path})", flush=True)

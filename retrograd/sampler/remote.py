@@ -7,9 +7,9 @@ and context alone (sampler.py), so a group sampled by any worker holding the sam
 adapter and sampler options is the group the in-process Sampler samples. `connect` checks the
 model (file and tokenizer fingerprints) and the options that change numbers (kv_dtype,
 generation_concurrency; a worker's ctx may be larger), then resets every worker to the base
-model. Every adapter push carries a version that each generate answer repeats, so a batch
-sampled with another adapter (a worker restarted, or pushed to by someone else) is refused
-instead of trained on.
+model. Every adapter push carries a version, this client's random id and its push count,
+that each generate answer repeats, so a batch sampled with another adapter (a stale one, a
+worker restarted, or pushed to by another trainer) is refused instead of trained on.
 
 Wire format: JSON for requests and completions (Python writes a float as its shortest repr,
 which reads back as the same double); the adapter as one body (encode_adapter): a small JSON
@@ -17,10 +17,13 @@ header (alpha, version, each tensor's name and the shapes of its A and B), then 
 in header order as one float32 blob, which the worker reads as views without parsing an array
 each. No tensors: the base.
 
-A worker that cannot be reached mid-call (refused, reset, or silent for `timeout_s`) is dropped
-and its groups go to the remaining workers, once: a group whose second worker fails too is an
-error (it may be what kills them), as is losing the last worker. Workers are trusted: there is
-no authentication, so bind them to loopback or a private network.
+A worker that cannot be reached mid-call (refused, reset, or silent for `timeout_s`), or that
+answers what no rollout worker would (a body over its bound, token ids outside the vocabulary,
+log-probs that are not finite numbers, lengths or keys that do not match the request) is
+dropped with one `note:` line on stderr and its groups go to the remaining workers, once: a
+group whose second worker fails too is an error (it may be what kills them), as is losing the
+last worker. Nothing a worker answers reaches the tokenizer unchecked. A worker started with
+an API key is sent it from the environment variable [rollout] api_key_env names.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import math
 import os
+import secrets
 import shutil
 import struct
 import subprocess
@@ -49,11 +54,12 @@ from retrograd import errors
 from retrograd.bundled import default_model_path
 from retrograd.errors import ConfigError, DataError, RetrogradError
 from retrograd.gguf.file import GGUFFile
+from retrograd.http_guard import API_KEY_ENV
 from retrograd.sampler.live_adapter import RefreshTiming, _tensors_and_alpha
 from retrograd.sampler.sampler import Completion, GroupRequest, SamplerOptions
 
 READY_PREFIX = "rollout-worker: listening on "  # the worker's one line on stdout once it serves
-BASE_VERSION = 0  # the adapter version of the base model, set by connect
+MAX_REPLY_BYTES = 1 << 20  # any answer but /generate's, whose bound grows with the request
 
 
 # ---------------------------------------------------------------- what a worker must match
@@ -63,6 +69,7 @@ BASE_VERSION = 0  # the adapter version of the base model, set by connect
 class ModelIdentity:
     file: str  # retrograd.training.checkpoint.file_fingerprint
     tokenizer: str  # sha256 of the GGUF's tokenizer.ggml.* metadata
+    n_vocab: int  # tokens in tokenizer.ggml.tokens: every id a worker answers is below it
 
 
 def model_identity(path: Path) -> ModelIdentity:
@@ -70,8 +77,10 @@ def model_identity(path: Path) -> ModelIdentity:
 
     gguf = GGUFFile(path)
     keys = sorted(k for k in gguf.keys() if k.startswith("tokenizer.ggml."))  # noqa: SIM118 (not a dict)
-    text = json.dumps([[key, gguf.get(key)] for key in keys], separators=(",", ":"))
-    return ModelIdentity(file_fingerprint(path), hashlib.sha256(text.encode()).hexdigest()[:32])
+    values = {key: gguf.get(key) for key in keys}
+    text = json.dumps([[key, value] for key, value in values.items()], separators=(",", ":"))
+    n_vocab = len(values.get("tokenizer.ggml.tokens") or ())
+    return ModelIdentity(file_fingerprint(path), hashlib.sha256(text.encode()).hexdigest()[:32], n_vocab)
 
 
 # ---------------------------------------------------------------- wire format, shared with the worker
@@ -81,7 +90,7 @@ ADAPTER_MAGIC = b"RGLORA01"  # the first bytes of a POST /adapter body
 ADAPTER_HEADER_SIZE = struct.Struct("<I")  # after the magic: the JSON header's length in bytes
 
 
-def encode_adapter(tensors: dict, alpha: float, version: int) -> bytearray:
+def encode_adapter(tensors: dict, alpha: float, version: str) -> bytearray:
     """{base weight name: LoRAWeights} -> the body of POST /adapter: ADAPTER_MAGIC, the header's
     length, the JSON header {"alpha", "version", "tensors": [{"name", "a": shape, "b": shape}]},
     then A and B of each listed tensor as little-endian float32, back to back. Built in one
@@ -89,7 +98,7 @@ def encode_adapter(tensors: dict, alpha: float, version: int) -> bytearray:
     aligned."""
     pairs = [(name, np.asarray(w.a), np.asarray(w.b)) for name, w in tensors.items()]
     listed = [{"name": name, "a": list(a.shape), "b": list(b.shape)} for name, a, b in pairs]
-    header = json.dumps({"alpha": float(alpha), "version": int(version), "tensors": listed}).encode()
+    header = json.dumps({"alpha": float(alpha), "version": version, "tensors": listed}).encode()
     prefix = len(ADAPTER_MAGIC) + ADAPTER_HEADER_SIZE.size
     header += b" " * (-(prefix + len(header)) % 8)
     start = prefix + len(header)
@@ -135,13 +144,18 @@ class WorkerLost(Exception):
     """The worker could not be reached, or went silent or away mid-answer."""
 
 
+class BadReply(WorkerLost):
+    """The worker answered what no rollout worker would: it is dropped as a lost one is."""
+
+
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
 class Worker:
-    """A worker's address and its kept-alive connections (one per call in flight)."""
+    """A worker's address, the API key it is sent, and its kept-alive connections (one per
+    call in flight)."""
 
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: str, timeout_s: float, api_key: str | None = None):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
             raise ConfigError(f"rollout worker {url!r}: expected http://HOST:PORT")
@@ -150,24 +164,33 @@ class Worker:
         except ValueError:
             raise ConfigError(f"rollout worker {url!r}: the port is not a number in [0, 65535]") from None
         self.url, self.host, self.timeout_s = f"http://{parts.netloc}", parts.hostname, timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
         self.info: dict = {}
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
 
     def call(
-        self, method: str, path: str, body: bytes | bytearray | None = None, content_type: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: bytes | bytearray | None = None,
+        content_type: str = "application/json",
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ):
-        """-> (HTTP status, parsed JSON answer); WorkerLost when the worker is not there. A
-        kept-alive connection the worker has closed meanwhile is retried once on a fresh one."""
+        """-> (HTTP status, parsed JSON answer); WorkerLost when the worker is not there,
+        BadReply for an answer over `max_reply_bytes` or not JSON. A kept-alive connection the
+        worker has closed meanwhile is retried once on a fresh one."""
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         reused = conn is not None
+        headers = self._headers | ({"Content-Type": content_type} if body else {})
         while True:
             conn = conn or http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
             try:
-                conn.request(method, path, body=body, headers={"Content-Type": content_type} if body else {})
+                conn.request(method, path, body=body, headers=headers)
                 response = conn.getresponse()
-                data = response.read()
+                too_long = response.length is not None and response.length > max_reply_bytes
+                data = b"" if too_long else response.read(max_reply_bytes + 1)
                 break
             except _STALE as e:
                 conn.close()
@@ -177,6 +200,9 @@ class Worker:
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 raise WorkerLost(_reason(e)) from None
+        if too_long or len(data) > max_reply_bytes:
+            conn.close()
+            raise BadReply(f"HTTP {response.status} with a body over {max_reply_bytes} bytes")
         if response.will_close:
             conn.close()
         else:
@@ -184,21 +210,29 @@ class Worker:
                 self._idle.append(conn)
         try:
             return response.status, json.loads(data)
-        except ValueError:
-            raise WorkerLost(f"HTTP {response.status} with a body that is not JSON") from None
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
+            raise BadReply(f"HTTP {response.status} with a body that is not JSON") from None
 
     def answer(
-        self, method: str, path: str, body: bytes | bytearray | None = None, content_type: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: bytes | bytearray | None = None,
+        content_type: str = "application/json",
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> dict:
-        """The JSON answer of a successful call; a refusal raises the worker's error class."""
-        status, answer = self.call(method, path, body, content_type)
+        """The JSON object a successful call answers; a refusal raises the worker's error class."""
+        status, answer = self.call(method, path, body, content_type, max_reply_bytes)
         if status == 200:
+            if not isinstance(answer, dict):
+                raise BadReply(f"answered {type(answer).__name__} where a JSON object belongs")
             return answer
-        error = answer.get("error", {}) if isinstance(answer, dict) else {}
+        error = answer.get("error") if isinstance(answer, dict) else None
+        error = error if isinstance(error, dict) else {}
         kind = getattr(errors, str(error.get("kind")), None)
         if not (isinstance(kind, type) and issubclass(kind, RetrogradError)):
             kind = DataError
-        message = str(error.get("message", answer)).replace("\n", " ")
+        message = " ".join(str(error.get("message", answer)).split())[:1000]
         raise kind(f"rollout worker {self.url}: {message}" + (f" (HTTP {status})" if status >= 500 else ""))
 
     def close(self) -> None:
@@ -242,14 +276,21 @@ class WorkersPlacement:
 
 
 def connect(
-    urls: Sequence[str], model_path: str | Path | None, options: SamplerOptions, *, timeout_s: float = 600.0
+    urls: Sequence[str],
+    model_path: str | Path | None,
+    options: SamplerOptions,
+    *,
+    timeout_s: float = 600.0,
+    api_key_env: str = API_KEY_ENV,
 ) -> RemoteSamplers:
     """Workers that sample exactly as Sampler(model_path, options) would, reset to the base
     model; one line naming the worker otherwise. `timeout_s`: how long a call may go without
-    an answer before its worker counts as lost (a whole batch's generation must fit)."""
+    an answer before its worker counts as lost (a whole batch's generation must fit).
+    `api_key_env` ([rollout] api_key_env): the environment variable whose key is sent."""
     if not urls:
         raise ConfigError("rollout workers: no worker URL given")
-    workers = [Worker(url, timeout_s) for url in urls]
+    api_key = worker_api_key(api_key_env)
+    workers = [Worker(url, timeout_s, api_key) for url in urls]
     if len({w.url for w in workers}) != len(workers):
         raise ConfigError(f"rollout workers: a URL is listed twice ({', '.join(urls)})")
     path = Path(model_path) if model_path is not None else default_model_path()
@@ -261,8 +302,8 @@ def connect(
         for worker, info in zip(workers, infos):
             _check(worker, info, path, expected, options)
             worker.info = info
-        client = RemoteSamplers(workers)
-        client.set_adapter(None, version=BASE_VERSION)
+        client = RemoteSamplers(workers, expected.n_vocab)
+        client.set_adapter(None)
     except BaseException:
         if client is not None:
             client.close()
@@ -272,20 +313,39 @@ def connect(
     return client
 
 
+def worker_api_key(env: str) -> str | None:
+    """The key the workers are sent: the value of $`env`, which must be set unless `env` is
+    the default RETROGRAD_API_KEY (then unset: no key)."""
+    key = os.environ.get(env)
+    if key is None and env != API_KEY_ENV:
+        raise ConfigError(f"rollout.api_key_env: ${env} is not set (it should hold the rollout workers' API key)")
+    if key is not None and not key.strip():
+        raise ConfigError(f"rollout workers: ${env} is empty; give the workers' API key, or unset it to send none")
+    if key is not None and not (key.isascii() and key.isprintable()):
+        raise ConfigError(f"rollout workers: ${env} holds characters an HTTP header cannot carry (a newline?)")
+    return key
+
+
 def _info(worker: Worker) -> dict:
     try:
         return worker.answer("GET", "/info")
+    except BadReply as e:
+        raise ConfigError(f"rollout worker {worker.url}: its /info is not a rollout worker's ({e})") from None
     except WorkerLost as e:
         raise ConfigError(f"rollout worker {worker.url} cannot be reached ({e})") from None
 
 
-INFO_KEYS = frozenset(
-    ("model", "model_fingerprint", "tokenizer_fingerprint", "n_ctx", "n_seq_max", "kv_dtype", "eog_ids", "placement")
-)
+INFO_TYPES = {
+    "model": str, "model_fingerprint": str, "tokenizer_fingerprint": str, "n_ctx": int, "n_seq_max": int,
+    "kv_dtype": str, "eog_ids": list, "placement": str,
+}  # fmt: skip
 
 
 def _check(worker: Worker, info: dict, path: Path, expected: ModelIdentity, options: SamplerOptions) -> None:
-    if not (isinstance(info, dict) and INFO_KEYS <= info.keys()):
+    if not (
+        all(type(info.get(key)) is kind for key, kind in INFO_TYPES.items())
+        and all(type(i) is int and 0 <= i < expected.n_vocab for i in info["eog_ids"])
+    ):
         raise ConfigError(
             f"rollout worker {worker.url}: its /info is not a rollout worker's (is it `retrograd rollout-worker`?)"
         )
@@ -313,13 +373,16 @@ def _check(worker: Worker, info: dict, path: Path, expected: ModelIdentity, opti
 
 class RemoteSamplers:
     """A Sampler's generate / set_adapter / eog_ids / placement over rollout workers whose
-    /info `connect` has checked. `requeued_groups` and `lost_workers` count what worker
-    failures cost."""
+    /info `connect` has checked, for a model of `n_vocab` tokens. `requeued_groups` and
+    `lost_workers` count what worker failures cost."""
 
-    def __init__(self, workers: list[Worker]):
+    def __init__(self, workers: list[Worker], n_vocab: int):
         self.workers = list(workers)  # the live ones
+        self.n_vocab = n_vocab
         self.eog_ids = frozenset(workers[0].info["eog_ids"])
-        self.adapter_version: int | None = None  # the last one pushed to every worker
+        self.client_id = secrets.token_hex(8)  # no other client's adapter versions start with it
+        self.pushes = 0
+        self.adapter_version: str | None = None  # the last one pushed to every worker: "CLIENT_ID.PUSHES"
         self.requeued_groups = 0
         self.lost_workers = 0
         self._pool = ThreadPoolExecutor(max_workers=2 * len(workers), thread_name_prefix="retrograd-remote")
@@ -342,11 +405,12 @@ class RemoteSamplers:
 
     # ---- the adapter
 
-    def set_adapter(self, adapter, *, alpha: float | None = None, version: int | None = None) -> PushTiming:
-        """As Sampler.set_adapter, on every worker at once; `version` (default: the last + 1)
-        is what each generate answer must repeat."""
+    def set_adapter(self, adapter, *, alpha: float | None = None) -> PushTiming:
+        """As Sampler.set_adapter, on every worker at once, under a new version that each
+        generate answer must repeat."""
         t0 = time.perf_counter()
-        version = (self.adapter_version or 0) + 1 if version is None else version
+        version = f"{self.client_id}.{self.pushes}"
+        self.pushes += 1
         tensors, alpha = _tensors_and_alpha(adapter, alpha) if adapter is not None else ({}, 1.0)
         body = encode_adapter(tensors, alpha, version)
         t1 = time.perf_counter()
@@ -356,11 +420,12 @@ class RemoteSamplers:
             start = time.perf_counter()
             answer = worker.answer("POST", "/adapter", body, "application/octet-stream")
             round_trips[worker.url] = time.perf_counter() - start
-            if answer["adapter_version"] != version:
-                raise DataError(
-                    f"rollout worker {worker.url}: answered adapter version {answer['adapter_version']}, pushed {version}"
-                )
-            return RefreshTiming(answer["write_s"], answer["init_s"], answer["set_s"])
+            if answer.get("adapter_version") != version:
+                raise BadReply(f"answered adapter version {answer.get('adapter_version')!r:.100}, pushed {version}")
+            timing = [answer.get(key) for key in ("write_s", "init_s", "set_s")]
+            if not all(type(s) is float and 0 <= s < math.inf for s in timing):
+                raise BadReply(f"answered the push's timing {timing!r:.200}, expected seconds")
+            return RefreshTiming(*timing)
 
         pushed = {}
         for worker, outcome in zip(list(self.workers), self._each(push)):
@@ -411,16 +476,16 @@ class RemoteSamplers:
 
     def _generate_on(self, worker: Worker, requests: list[GroupRequest]) -> list[list[Completion]]:
         body = json.dumps({"requests": [request_json(r) for r in requests]}).encode()
-        answer = worker.answer("POST", "/generate", body)
-        if answer["adapter_version"] != self.adapter_version:
+        answer = worker.answer("POST", "/generate", body, max_reply_bytes=generate_reply_bound(requests))
+        version = answer.get("adapter_version")
+        if not isinstance(version, str):
+            raise BadReply("answered no adapter version")
+        if version != self.adapter_version:
             raise DataError(
-                f"rollout worker {worker.url} sampled with adapter version {answer['adapter_version']}, "
-                f"the last pushed is {self.adapter_version} (was it restarted, or does another client push to it?)"
+                f"rollout worker {worker.url} sampled with adapter version {version!r:.100}, the last pushed is "
+                f"{self.adapter_version!r} (was it restarted, or does another client push to it?)"
             )
-        groups = answer["completions"]
-        if [len(g) for g in groups] != [len(r.seeds) for r in requests]:
-            raise DataError(f"rollout worker {worker.url}: answered another number of completions than asked")
-        return [[Completion(**c) for c in group] for group in groups]
+        return checked_completions(answer.get("completions"), requests, self.n_vocab)
 
     # ---- workers
 
@@ -442,8 +507,51 @@ class RemoteSamplers:
             self.workers.remove(worker)
             self.lost_workers += 1
             worker.close()
+            print(f"note: rollout worker {worker.url} dropped: {why}", file=sys.stderr, flush=True)
         if not self.workers:
             raise DataError(f"rollout workers: none left (the last, {worker.url}, was lost: {why})")
+
+
+def generate_reply_bound(requests: Sequence[GroupRequest]) -> int:
+    """The bytes a /generate answer to `requests` may take: 64 per token asked (an id and its
+    log-prob take at most 40 as Python writes them) and 256 per completion, plus 1 MiB."""
+    return MAX_REPLY_BYTES + sum(len(r.seeds) * (256 + 64 * r.sampling.max_new_tokens) for r in requests)
+
+
+COMPLETION_KEYS = frozenset(("tokens", "logprobs", "finish", "prefilled", "reused"))
+
+
+def checked_completions(groups, requests: Sequence[GroupRequest], n_vocab: int) -> list[list[Completion]]:
+    """A /generate answer's completions, each checked against its request, or BadReply naming
+    the first thing that no worker sampling `requests` would answer."""
+    if not (isinstance(groups, list) and len(groups) == len(requests)):
+        raise BadReply(f"answered no list of {len(requests)} groups of completions")
+    checked = []
+    for i, (group, request) in enumerate(zip(groups, requests)):
+        if not (isinstance(group, list) and len(group) == len(request.seeds)):
+            raise BadReply(f"request {i}: answered no list of {len(request.seeds)} completions")
+        checked.append([_checked_completion(c, request, n_vocab, f"request {i}.{j}") for j, c in enumerate(group)])
+    return checked
+
+
+def _checked_completion(c, request: GroupRequest, n_vocab: int, where: str) -> Completion:
+    if not (isinstance(c, dict) and c.keys() == COMPLETION_KEYS):
+        raise BadReply(f"{where}: not an object with exactly the keys {', '.join(sorted(COMPLETION_KEYS))}")
+    tokens, logprobs = c["tokens"], c["logprobs"]
+    if not (isinstance(tokens, list) and len(tokens) <= request.sampling.max_new_tokens):
+        raise BadReply(f"{where}: tokens is no list of at most max_new_tokens {request.sampling.max_new_tokens}")
+    bad = next((i for i, t in enumerate(tokens) if not (type(t) is int and 0 <= t < n_vocab)), None)
+    if bad is not None:
+        raise BadReply(f"{where}: token {tokens[bad]!r:.100} is not an id in the vocabulary [0, {n_vocab})")
+    if not (isinstance(logprobs, list) and len(logprobs) == len(tokens)):
+        raise BadReply(f"{where}: logprobs is no list of one per token ({len(tokens)})")
+    if not all(type(x) is float and math.isfinite(x) for x in logprobs):
+        raise BadReply(f"{where}: a log-prob is not a finite number")
+    if c["finish"] not in ("eos", "length"):
+        raise BadReply(f"{where}: finish {c['finish']!r:.100} is neither eos nor length")
+    if not all(type(c[key]) is int and c[key] >= 0 for key in ("prefilled", "reused")):
+        raise BadReply(f"{where}: prefilled / reused is not a count")
+    return Completion(tokens, logprobs, c["finish"], c["prefilled"], c["reused"])
 
 
 def _spread(indices: list[int], requests: Sequence[GroupRequest], load: dict[Worker, int]) -> dict[Worker, list[int]]:
