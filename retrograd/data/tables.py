@@ -31,7 +31,7 @@ EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "p
 MAX_CELL_CHARS = MAX_JSON_CHARS
 JSON_COLUMNS = frozenset({"messages", "conversations", "tools"})
 MAYBE_JSON_COLUMNS = frozenset({"prompt", "completion"})
-PARQUET_BATCH_ROWS = 256  # rows decoded at a time: memory follows the batch, not the file
+PARQUET_BATCH_ROWS = 256  # rows decoded at a time, once their row group is measured
 PARQUET_EXPANSION = 256  # decoded bytes a Parquet file may hold per byte on disk (text compresses 3-10x)
 PARQUET_MIN_BUDGET = 64 << 20  # ... and at least this many, whatever its size
 PARQUET_VALUE_BYTES = 64  # what each decoded value is counted as: about its cost as a Python object
@@ -87,17 +87,17 @@ def parquet_records(path: Path) -> Records:
     A few hundred bytes of Parquet can decode to gigabytes (a run-length encoded list of
     millions of values, a dictionary value repeated in every row), so what a file may decode
     to is bounded by its size (parquet_budget): the footer's counts are checked before
-    anything is decoded, and every batch before its rows become Python objects, with text
-    columns read as dictionaries so that a repeated value is counted, not expanded."""
+    anything is decoded, and each row group is measured (_row_group_bytes) before its rows
+    are decoded, PARQUET_BATCH_ROWS at a time, into Python objects."""
     try:
         import pyarrow
         import pyarrow.parquet
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'retrograd[parquet]'") from None
     try:
-        schema = pyarrow.parquet.ParquetFile(path).schema
-        text_columns = [column.path for column in schema if column.physical_type == "BYTE_ARRAY"]
-        table = pyarrow.parquet.ParquetFile(path, read_dictionary=text_columns)
+        table = pyarrow.parquet.ParquetFile(path)
+        text_columns = [column.path for column in table.schema if column.physical_type == "BYTE_ARRAY"]
+        compact = pyarrow.parquet.ParquetFile(path, read_dictionary=text_columns)
         size = path.stat().st_size
     except (OSError, pyarrow.ArrowException) as e:
         raise DataError(f"{path}: cannot read as Parquet ({e})") from None
@@ -112,14 +112,16 @@ def parquet_records(path: Path) -> Records:
         raise DataError(_over_budget(f"{path}: its footer declares", declared, size, budget))
     number = decoded = 0
     try:
-        for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-            decoded += sum(map(_decoded_bytes, batch.columns))
+        for g in range(table.metadata.num_row_groups):
+            decoded += _row_group_bytes(compact, g)
             if decoded > budget:
-                raise DataError(_over_budget(f"{path}: rows 1-{number + batch.num_rows} hold", decoded, size, budget))
-            for row in batch.to_pylist():
-                number += 1
-                where = f"{path}: row {number}"
-                yield where, _plain_values(row, where)
+                rows = number + table.metadata.row_group(g).num_rows
+                raise DataError(_over_budget(f"{path}: rows 1-{rows:,} hold", decoded, size, budget))
+            for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g]):
+                for row in batch.to_pylist():
+                    number += 1
+                    where = f"{path}: row {number}"
+                    yield where, _plain_values(row, where)
     except (OSError, pyarrow.ArrowException, UnicodeDecodeError) as e:
         raise DataError(f"{path}: row {number + 1}: cannot read ({e})") from None
 
@@ -134,6 +136,14 @@ def _over_budget(what: str, decoded: int, file_bytes: int, budget: int) -> str:
     return (f"{what} {decoded / 2**20:,.0f} MiB once decoded, more than the {budget / 2**20:,.0f} MiB a Parquet file "
             f"of {file_bytes:,} bytes may decode to ({PARQUET_EXPANSION}x its size, at least "
             f"{PARQUET_MIN_BUDGET >> 20} MiB; {PARQUET_VALUE_BYTES} bytes a value plus its text)")
+
+
+def _row_group_bytes(compact, g: int) -> int:
+    """What row group `g` decodes to, measured on `compact` (the file opened with its text
+    columns read as dictionaries): a value repeated through a dictionary is held once and
+    counted as often as it is used."""
+    group = compact.read_row_group(g)
+    return sum(_decoded_bytes(chunk) for column in group.columns for chunk in column.chunks)
 
 
 def _decoded_bytes(array) -> int:
