@@ -34,6 +34,7 @@ from retrograd.lora import attach_lora
 from retrograd.recipes import grpo
 from retrograd.rollout_worker import MAX_GENERATE_BYTES, adapter_body_limit
 from retrograd.sampler import Sampler, live_adapter
+from retrograd.training.report import SilentReporter
 from retrograd.sampler.remote import (
     ADAPTER_HEADER_SIZE,
     ADAPTER_MAGIC,
@@ -389,6 +390,21 @@ def test_a_worker_with_an_api_key_answers_only_requests_that_send_it(tiny, monke
         monkeypatch.setenv("WORKER_KEY", f"{key}\n")
         with pytest.raises(ConfigError, match=r"^rollout workers: \$WORKER_KEY holds characters an HTTP header"):
             connect([url], tiny, OPTIONS, api_key_env="WORKER_KEY")
+
+
+def test_a_run_sends_the_key_from_the_variable_its_config_names(tmp_path, tiny, monkeypatch):
+    """[rollout] api_key_env reaches the trainer's connection: the worker holds the key as
+    $RETROGRAD_API_KEY, the trainer only as $WORKER_KEY."""
+    key = "run-k3y"
+    cfg = write_config(tmp_path, tiny, updates=1, reward_name="length", training="generation_threads = 1")
+    monkeypatch.setenv("RETROGRAD_API_KEY", key)  # inherited by the worker process started next
+    with start_local_workers(1, tiny, grpo.sampler_options(load_config(cfg)), threads=1) as keyed:
+        monkeypatch.delenv("RETROGRAD_API_KEY")
+        monkeypatch.setenv("WORKER_KEY", key)
+        with cfg.open("a") as f:
+            f.write(f'[rollout]\nworkers = ["{keyed.urls[0]}"]\napi_key_env = "WORKER_KEY"\n')
+        result = grpo.run(load_config(cfg), SilentReporter())
+    assert result.updates_done == 1
 
 
 @pytest.mark.parametrize("flags, env, message", [

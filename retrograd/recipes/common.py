@@ -256,7 +256,7 @@ def open_rollout_sampler(cfg: Config, model_path: Path, options: SamplerOptions)
         if rollout.local_workers:
             threads = cfg.training.generation_threads
             urls = stack.enter_context(start_local_workers(rollout.local_workers, model_path, options, threads)).urls
-        yield stack.enter_context(connect(urls, model_path, options))
+        yield stack.enter_context(connect(urls, model_path, options, api_key_env=rollout.api_key_env))
 
 
 def rollout_sampler_options(cfg: Config, sequences_per_update: int, n_ctx: int | None = None) -> SamplerOptions:
