@@ -9,13 +9,13 @@ after the call in progress, freeing the model and the adapter files in /dev/shm.
 from __future__ import annotations
 
 import signal
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from retrograd.cli import app
 from retrograd.cli.chat import ThreadsOpt
-from retrograd.cli.options import ModelOpt
+from retrograd.cli.options import ApiKeyOpt, ModelOpt
 from retrograd.cli.serve import bind
 from retrograd.http_guard import require_key_off_loopback, resolve_api_key
 
@@ -37,14 +37,7 @@ def rollout_worker(
     ] = 8,
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="f16 (fast) or f32 (\\[training] kv_dtype).")] = "f16",
     threads: ThreadsOpt = 0,
-    api_key: Annotated[
-        Optional[str],
-        typer.Option(
-            "--api-key",
-            help="Answer only requests with 'Authorization: Bearer KEY' (default: $RETROGRAD_API_KEY, which "
-            "other users cannot read in the process list); required unless --host is loopback.",
-        ),
-    ] = None,
+    api_key: ApiKeyOpt = None,
     max_adapter_rank: Annotated[
         int,
         typer.Option(

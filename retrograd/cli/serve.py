@@ -13,9 +13,9 @@ import typer
 
 from retrograd.cli import app
 from retrograd.cli.chat import ChatTemplateOpt, CtxOpt, ThreadsOpt
-from retrograd.cli.options import ModelOpt
+from retrograd.cli.options import ApiKeyOpt, ModelOpt
 from retrograd.errors import ConfigError
-from retrograd.http_guard import API_KEY_ENV, require_key_off_loopback, resolve_api_key
+from retrograd.http_guard import require_key_off_loopback, resolve_api_key
 
 MAX_REQUEST_BYTES = 4 * 2**20  # a prompt must fit the context anyway: 4 MiB is ~1M tokens of text
 MAX_QUEUE = 16  # requests waiting for the model while one generates
@@ -41,15 +41,7 @@ def serve(
     chat_template: ChatTemplateOpt = None,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = 0,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key",
-            metavar="KEY",
-            help=f"Requests must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none; "
-            "required off loopback).",
-        ),
-    ] = None,
+    api_key: ApiKeyOpt = None,
     max_request_bytes: Annotated[
         int, typer.Option("--max-request-bytes", min=1, help="Larger request bodies get 413.")
     ] = MAX_REQUEST_BYTES,
