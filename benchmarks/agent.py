@@ -30,7 +30,6 @@ import statistics
 import time
 from pathlib import Path
 
-from retrograd.bundled import default_model_path
 from retrograd.data import ChatFormat
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import read_spec
@@ -39,6 +38,7 @@ from retrograd.rollouts.agent import AgentRollouts, Request, RolloutLimits, forg
 from retrograd.rollouts.sandbox import EnvironmentOptions, PoolOptions, SandboxError, open_environment
 from retrograd.rollouts.scenarios import load_scenarios
 from retrograd.rollouts.tools import ToolCatalog
+from retrograd.runtime.bundled import default_model_path
 from retrograd.sampler import Sampler, SamplerOptions
 from retrograd.training.timeline import PhaseClock
 

@@ -12,7 +12,7 @@ Sides (same total threads, `--threads`, default 2):
   async2    max_async_rollout = 2, same split
 Figures: updates per minute over the training span (first update's start to the last one's
 end, from metrics.jsonl: start-up excluded), the mean reward of the last third of the updates,
-and the timeline's busy / waiting seconds per side (retrograd/profile.py's reading). State the
+and the timeline's busy / waiting seconds per side (retrograd/reports/profile.py's reading). State the
 CPU with any figure: the split costs each side half the cores, so a run whose two sides are
 both compute-bound on the same cores cannot gain much.
 """
@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 import retrograd  # noqa: F401  (before torch: OMP_WAIT_POLICY)
-from retrograd.device import cpu_name
-from retrograd.profile import timeline_summary
+from retrograd.reports.profile import timeline_summary
+from retrograd.runtime.device import cpu_name
 
 
 def sibling(name: str):

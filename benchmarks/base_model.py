@@ -28,14 +28,14 @@ DTYPES = ("f32", "bf16")
 def measure(model: str, mode: str, dtype: str, tokens: list[int]) -> dict:
     import torch
 
-    from retrograd.bundled import default_model_path, gemma3_path
     from retrograd.gguf.file import GGUFFile
     from retrograd.kernels.chunked_logprobs import token_logprobs
     from retrograd.kernels.dequant import CODECS, dequantize
-    from retrograd.lora import attach_lora
-    from retrograd.memory import rss_bytes
     from retrograd.model.base import load_model
+    from retrograd.model.lora import attach_lora
     from retrograd.model.tokenizer import Tokenizer
+    from retrograd.runtime.bundled import default_model_path, gemma3_path
+    from retrograd.runtime.memory import rss_bytes
 
     torch.set_num_threads(2)
     path = default_model_path() if model == "smollm2" else gemma3_path()
@@ -86,7 +86,7 @@ def main() -> None:
         model, mode, dtype, tokens = args._child
         print(json.dumps(measure(model, mode, dtype, [int(n) for n in tokens.split(",")])))
         return
-    from retrograd.device import cpu_name
+    from retrograd.runtime.device import cpu_name
 
     print(f"CPU: {cpu_name()}")
     if not args.archs:

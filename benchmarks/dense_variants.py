@@ -24,10 +24,10 @@ import retrograd  # noqa: F401  (before torch: sets the OpenMP wait policy)
 
 # isort: split
 import torch
-from retrograd.kernels.chunked_logprobs import token_logprobs
 
-from retrograd.lora import attach_lora
+from retrograd.kernels.chunked_logprobs import token_logprobs
 from retrograd.model.base import load_model
+from retrograd.model.lora import attach_lora
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 # isort: split

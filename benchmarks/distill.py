@@ -236,7 +236,7 @@ def main() -> None:
     if args._child:
         return child(args._child)
 
-    from retrograd.bundled import default_model_path
+    from retrograd.runtime.bundled import default_model_path
 
     with tempfile.TemporaryDirectory(prefix="distill-bench-") as tmp:
         folder = Path(tmp)

@@ -235,8 +235,8 @@ def run_trl(gradient_checkpointing: bool) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from retrograd.bundled import default_model_path
-    from retrograd.memory import rss_bytes
+    from retrograd.runtime.bundled import default_model_path
+    from retrograd.runtime.memory import rss_bytes
 
     spent: dict[str, float] = {}
 
@@ -475,7 +475,7 @@ def check_prompts(raw: dict[str, dict]) -> None:
 
 
 def main() -> None:
-    from retrograd.device import cpu_name, describe, resolve_device
+    from retrograd.runtime.device import cpu_name, describe, resolve_device
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")

@@ -42,7 +42,7 @@ EVAL = Path(__file__).resolve().parent.parent / "examples/data/arithmetic_eval.j
 def random_adapter(model: Path, dst: Path, b_std: float = 0.004) -> Path:
     from retrograd.gguf.adapter import LoRAWeights, write_adapter
     from retrograd.gguf.file import GGUFFile
-    from retrograd.lora import resolve_targets
+    from retrograd.model.lora import resolve_targets
 
     f = GGUFFile(model)
     shapes = {n: t.shape for n, t in f.tensors.items() if len(t.shape) == 2}
@@ -104,7 +104,7 @@ def conversations(model: Path, template: str | None, n: int = 16) -> list[list[i
 
 
 def log_probs(model: Path, sequences: list[list[int]], lora: Path | None = None) -> list[np.ndarray]:
-    from retrograd.llamacpp import llama_cpp
+    from retrograd.runtime.llamacpp import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(model), n_ctx=256, logits_all=True, verbose=False, n_threads=2,
                           type_k=0, type_v=0, lora_path=str(lora) if lora else None)
@@ -125,7 +125,7 @@ def kl(reference: list[np.ndarray], other: list[np.ndarray]) -> float:
 
 
 def main() -> None:
-    from retrograd.bundled import default_model_path, gemma3_path
+    from retrograd.runtime.bundled import default_model_path, gemma3_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--adapter", action="append", default=[], metavar="MODEL=PATH", help="a trained adapter for smollm2 or gemma3")

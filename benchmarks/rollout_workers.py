@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import retrograd  # noqa: F401  (before torch: OMP_WAIT_POLICY)
-from retrograd.bundled import default_model_path
-from retrograd.device import cpu_name
 from retrograd.gguf.adapter import read_adapter
+from retrograd.runtime.bundled import default_model_path
+from retrograd.runtime.device import cpu_name
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.sampler.remote import connect, start_local_workers
 

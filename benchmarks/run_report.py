@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from retrograd.run_report import RunFiles, RunReport
+from retrograd.reports.run_report import RunFiles, RunReport
 
 PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer", "adapter_refresh")
 

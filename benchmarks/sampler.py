@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 
 import retrograd
-from retrograd.bundled import default_model_path
-from retrograd.device import cpu_name
 from retrograd.gguf.adapter import adapter_tensors, write_adapter
 from retrograd.gguf.file import GGUFFile
-from retrograd.llamacpp import C
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.model.tokenizer import Tokenizer
+from retrograd.runtime.bundled import default_model_path
+from retrograd.runtime.device import cpu_name
+from retrograd.runtime.llamacpp import C
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 
 QUESTIONS = ("Write a short story about a lighthouse keeper.", "Explain how rain forms, step by step.")
@@ -143,7 +143,7 @@ def _chain(sampling: Sampling, seed: int):
 
 def compare(path: Path | None, requests, options: SamplerOptions, adapter, repeats: int) -> dict:
     """Raw llama.cpp and our sampler on the same requests, with and without `adapter` (a
-    retrograd.lora.Adapter), alternated. Per side the best run's tok/s and the share of its
+    retrograd.model.lora.Adapter), alternated. Per side the best run's tok/s and the share of its
     wall time spent in llama_decode, the best tokens per CPU second, and the tokens summed
     over the repeats; the median
     refresh time per part (ms); the prompt tokens our sampler prefilled."""

@@ -37,12 +37,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from retrograd.bundled import default_model_path
-from retrograd.device import cpu_name
 from retrograd.gguf.adapter import LoRAWeights, write_adapter
 from retrograd.gguf.file import GGUFFile
-from retrograd.inference import Inference
-from retrograd.llamacpp import C, llama_cpp
+from retrograd.runtime.bundled import default_model_path
+from retrograd.runtime.device import cpu_name
+from retrograd.runtime.llamacpp import C, llama_cpp
+from retrograd.serving.inference import Inference
 
 QUESTIONS = (
     "Write a long story about a lighthouse keeper.",

@@ -210,8 +210,8 @@ def run_trl() -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from retrograd.bundled import default_model_path
-    from retrograd.memory import rss_bytes
+    from retrograd.runtime.bundled import default_model_path
+    from retrograd.runtime.memory import rss_bytes
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -330,9 +330,9 @@ def matmul_probe() -> dict[str, float]:
 
 
 def model_dims() -> dict[str, int]:
-    from retrograd.bundled import default_model_path
     from retrograd.gguf.file import GGUFFile
     from retrograd.gguf.spec import read_spec
+    from retrograd.runtime.bundled import default_model_path
 
     s = read_spec(GGUFFile(default_model_path()))
     E, F, H, K, D, Dv = s.n_embd, s.n_ff, s.n_head, s.n_head_kv, s.head_dim, s.head_dim_v
@@ -386,8 +386,8 @@ def summarize(side: str, r: dict, dims: dict[str, int]) -> dict:
 
 def compare_masks(ours: dict, trl: dict) -> list[str]:
     """Lines saying whether both sides read the same ids and train the same positions."""
-    from retrograd.bundled import default_model_path
     from retrograd.model.tokenizer import Tokenizer
+    from retrograd.runtime.bundled import default_model_path
 
     lines = []
     same_ids = ours["ids"] == trl["ids"]
@@ -472,7 +472,7 @@ def main() -> None:
 
     import torch
 
-    from retrograd.device import cpu_name, describe, resolve_device
+    from retrograd.runtime.device import cpu_name, describe, resolve_device
 
     print(f"workload: {asdict(WORK)}; load average at start {os.getloadavg()[0]:.2f}", file=sys.stderr)
     on_gpu = torch.cuda.is_available()  # then our runs train there (device auto) and a CPU probe says nothing

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from retrograd.device import cpu_name
+from retrograd.runtime.device import cpu_name
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 

@@ -14,7 +14,7 @@ import sandboxes
 import torch
 from gguf_factory import write_f32_copy, write_tiny_model
 
-from retrograd.bundled import default_model_path, gemma3_path
+from retrograd.runtime.bundled import default_model_path, gemma3_path
 
 torch.set_num_threads(2)
 DATA = Path(__file__).parent / "data"

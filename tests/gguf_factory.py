@@ -11,8 +11,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from retrograd.bundled import default_model_path
 from retrograd.gguf.file import GGUFFile
+from retrograd.runtime.bundled import default_model_path
 
 # name -> (arch, hyperparameters); each exercises the features of its architecture
 TINY_ARCHS = {

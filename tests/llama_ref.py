@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from retrograd.llamacpp import llama_cpp
+from retrograd.runtime.llamacpp import llama_cpp
 
 F32 = 0  # GGML_TYPE_F32, for type_k / type_v
 # llama_cpp.Llama passes YaRN's magnitude 1 and betas 32 / 1 to the context; -1 leaves them to the model

@@ -16,11 +16,11 @@ from lora_files import random_adapter
 from test_memory_estimate import saved_for_backward
 
 import retrograd
-from retrograd.capabilities import inspect_model
 from retrograd.errors import GGUFError
-from retrograd.lora import attach_lora
-from retrograd.memory import activation_bytes
 from retrograd.model import transformer as tf
+from retrograd.model.activation_memory import activation_bytes
+from retrograd.model.capabilities import inspect_model
+from retrograd.model.lora import attach_lora
 from retrograd.model.moe import MoEFeedForward
 from retrograd.model.transformer import Attention, Layout, RotaryTable, with_sink_slot
 

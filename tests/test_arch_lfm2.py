@@ -19,7 +19,7 @@ import retrograd
 from retrograd.config import load_config
 from retrograd.errors import ConfigError, GGUFError
 from retrograd.gguf.adapter import adapter_tensors, write_adapter
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.recipes import sft
 from retrograd.training.batches import Group, SharedPrefix, TokenSequence, batch_logprobs, pack
 from retrograd.training.report import SilentReporter
@@ -166,7 +166,7 @@ def test_retrograd_train_runs_the_rust_smoke_sft_shape(tmp_path, tiny_model):
 def test_chat_on_lfm2_equals_a_fresh_run_turn_after_turn(tiny_model):
     """Inference rewinds a sequence to reuse a prompt prefix; on lfm2 llama.cpp refuses the
     rewind, and the prompt is computed again from the start instead."""
-    from retrograd.inference import BASE, Inference, Settings
+    from retrograd.serving.inference import BASE, Inference, Settings
 
     path = tiny_model("lfm2")
 

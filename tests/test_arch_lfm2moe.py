@@ -18,8 +18,8 @@ from lora_files import randomise_b
 import retrograd
 from retrograd.errors import GGUFError
 from retrograd.gguf.adapter import adapter_tensors, read_adapter, write_adapter
-from retrograd.lora import attach_lora
-from retrograd.memory import activation_bytes
+from retrograd.model.activation_memory import activation_bytes
+from retrograd.model.lora import attach_lora
 from retrograd.model.moe import MoEFeedForward, route
 
 CONV_PROJECTIONS = ["blk.*.shortconv.in_proj.weight", "blk.*.shortconv.out_proj.weight"]

@@ -19,8 +19,8 @@ from retrograd.config import load_config
 from retrograd.errors import GGUFError
 from retrograd.gguf.adapter import read_adapter
 from retrograd.gguf.merge import merge
-from retrograd.lora import attach_lora, frozen_linears, resolve_targets
-from retrograd.memory import activation_bytes
+from retrograd.model.activation_memory import activation_bytes
+from retrograd.model.lora import attach_lora, frozen_linears, resolve_targets
 from retrograd.model.moe import route
 from retrograd.recipes import sft
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling

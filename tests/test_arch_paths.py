@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
-from retrograd.kernels import frozen
-from retrograd.kernels.chunked_logprobs import token_logprobs
-from retrograd.kernels.frozen import keep_dense
 from test_small_micro_batches import adapted, one_thread, rollouts, train_pass  # noqa: F401 (one_thread: a fixture, used by pytestmark)
 
 import retrograd
-from retrograd.lora import attach_lora
+from retrograd.kernels import frozen
+from retrograd.kernels.chunked_logprobs import token_logprobs
+from retrograd.kernels.frozen import keep_dense
+from retrograd.model.lora import attach_lora
 from retrograd.model.transformer import SHORT_ROWS
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.scoring import Rollout, plan_shared, rollout_logprobs

@@ -10,7 +10,7 @@ from lora_files import random_adapter
 
 import retrograd
 from retrograd.gguf.adapter import read_adapter
-from retrograd.lora import frozen_linears, resolve_targets
+from retrograd.model.lora import frozen_linears, resolve_targets
 
 
 def test_spec_and_target_aliases(tiny_model):

@@ -4,7 +4,7 @@ gives the gradients of the plain forward."""
 import torch
 
 import retrograd
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.training.batches import Group, TokenSequence, batch_logprobs, pack, plan_micro_batches
 from retrograd.training.optim import learning_rate
 

@@ -14,10 +14,10 @@ from llama_ref import llama_logits
 from rich.console import Console
 
 import retrograd
-from retrograd import bench
 from retrograd.cli.bench import table
 from retrograd.config import load_config
 from retrograd.data import ChatFormat, load_sft
+from retrograd.evaluation import bench
 from retrograd.gguf.adapter import LoRAWeights, read_adapter, write_adapter
 from retrograd.recipes import sft
 from retrograd.training.report import SilentReporter

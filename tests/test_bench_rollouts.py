@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrograd import bench
 from retrograd.config import load_config
 from retrograd.errors import ConfigError, DataError
+from retrograd.evaluation import bench
 from retrograd.gguf.adapter import LoRAWeights, write_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.training.report import SilentReporter

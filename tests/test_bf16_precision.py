@@ -16,7 +16,7 @@ import torch
 
 import retrograd
 from retrograd.kernels.chunked_logprobs import token_logprobs
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.model.transformer import SHORT_ROWS
 
 LR = 1e-4  # the SFT benchmark's

@@ -1,4 +1,4 @@
-"""retrograd.inference and `retrograd chat` on the bundled SmolLM2 with a LoRA that changes
+"""retrograd.serving.inference and `retrograd chat` on the bundled SmolLM2 with a LoRA that changes
 its greedy answers: replies equal a fresh llama.cpp run with the same adapter (or none),
 whatever was generated before, and the CLI scripts from a pipe."""
 
@@ -14,8 +14,8 @@ from lora_files import random_adapter
 from retrograd.errors import GGUFError
 from retrograd.gguf.adapter import read_adapter, read_fitting_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
-from retrograd.inference import BASE, ContextFull, Inference, Settings
-from retrograd.llamacpp import C, llama_cpp
+from retrograd.runtime.llamacpp import C, llama_cpp
+from retrograd.serving.inference import BASE, ContextFull, Inference, Settings
 
 N_CTX = 512
 QUESTION = "What is the capital of France?"
@@ -35,7 +35,7 @@ def inference(smollm2, adapter):
 
 def llama_greedy(model: Path, prompt: list[int], max_tokens: int, lora: Path | None = None) -> str:
     """A fresh llama-cpp-python run: greedy, stopping at end-of-generation, with llama.cpp's
-    own sampler and the context settings retrograd.inference uses (f16 KV, flash attention,
+    own sampler and the context settings retrograd.serving.inference uses (f16 KV, flash attention,
     prefill in 64-token ubatches)."""
     llm = llama_cpp.Llama(
         model_path=str(model),

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from test_cli_resume import one_line_error, train, write_run
 
 from retrograd.config import load_config
-from retrograd.owner import process_tag
 from retrograd.recipes import sft
+from retrograd.runtime.owner import process_tag
 from retrograd.training.checkpoint import (
     FILES,
     CheckpointError,

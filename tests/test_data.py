@@ -13,8 +13,8 @@ from retrograd.data.prompts import load_prompts
 from retrograd.data.sft import load_sft
 from retrograd.data.template import CHAT_TEMPLATES, ChatFormat, resolve_chat_template
 from retrograd.errors import ConfigError, DataError
-from retrograd.llamacpp import llama_cpp
 from retrograd.model.tokenizer import Tokenizer
+from retrograd.runtime.llamacpp import llama_cpp
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import retrograd
-from retrograd import bench
 from retrograd.config import load_config
 from retrograd.data import load_prompts
+from retrograd.evaluation import bench
 from retrograd.gguf.adapter import read_adapter
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.objectives.distill import teacher_diagnostics
 from retrograd.recipes import distill
 from retrograd.recipes.common import load_adapter_weights, open_chat

@@ -17,12 +17,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QT
-from gguf import GGUFValueType as VT
+from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
-from retrograd.capabilities import inspect_model
 from retrograd.errors import GGUFError
 from retrograd.gguf.file import GGUFFile
+from retrograd.model.capabilities import inspect_model
 
 N_VOCAB, N_EMBD = 16, 32
 

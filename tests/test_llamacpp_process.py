@@ -12,7 +12,7 @@ import pytest
 
 HEADER = """
 import gc, os, sys
-from retrograd.bundled import default_model_path
+from retrograd.runtime.bundled import default_model_path
 P = str(default_model_path())
 """
 
@@ -42,10 +42,10 @@ def test_api_then_llama_cpp_exits_cleanly(tmp_path):
 
 
 def test_llama_cpp_then_api_exits_cleanly(tmp_path):
-    """llama.cpp first (imported through retrograd.llamacpp, which every user of llama.cpp in
+    """llama.cpp first (imported through retrograd.runtime.llamacpp, which every user of llama.cpp in
     this process must go through for the AMX workaround), then the Python API."""
     r = run_script(tmp_path, """
-        from retrograd.llamacpp import llama_cpp
+        from retrograd.runtime.llamacpp import llama_cpp
         llm = llama_cpp.Llama(P, logits_all=True)
         ids = llm.tokenize(b"hello", add_bos=False)
         llm.eval(ids)
@@ -62,14 +62,14 @@ def test_llama_cpp_then_api_exits_cleanly(tmp_path):
 def test_llama_cpp_logs_safely_after_module_teardown(tmp_path, show_logs):
     """Interpreter teardown clears module namespaces and collects what they held, and
     llama.cpp objects still alive then are freed afterwards, logging as they go. Do that to
-    retrograd.llamacpp while a model and context are alive, then decode and free them: the
+    retrograd.runtime.llamacpp while a model and context are alive, then decode and free them: the
     process must live (a ctypes log callback made this a SIGSEGV). llama.cpp stays silent
     unless RETROGRAD_LLAMA_LOG=1, which shows llama.cpp's own log."""
     r = run_script(tmp_path, """
-        import retrograd.llamacpp
-        from retrograd.llamacpp import llama_cpp
+        import retrograd.runtime.llamacpp
+        from retrograd.runtime.llamacpp import llama_cpp
         llm = llama_cpp.Llama(P, n_ctx=64, verbose=True)
-        vars(retrograd.llamacpp).clear()
+        vars(retrograd.runtime.llamacpp).clear()
         gc.collect()
         garbage = [bytearray(64) for _ in range(100_000)]  # reuse whatever was freed
         llm.eval(llm.tokenize(b"The capital of France is"))

@@ -5,7 +5,7 @@ import torch
 
 import retrograd
 from retrograd.errors import ConfigError
-from retrograd.lora import attach_lora, frozen_linears, resolve_targets
+from retrograd.model.lora import attach_lora, frozen_linears, resolve_targets
 
 NAMES = [f"blk.{i}.{f}.weight" for i in range(12) for f in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down", "ffn_gate")]
 
@@ -70,10 +70,10 @@ def test_a_small_delta_survives_bf16_compute():
     """In bf16 compute the adapter's output is added in float32: a delta of 1e-4 relative to
     the frozen output, far below bf16's resolution, still reaches the result."""
     from gguf import GGMLQuantizationType as QT
-    from retrograd.kernels.frozen import FrozenWeight
 
-    from retrograd.lora import LoRALinear
-    from retrograd.model.transformer import FrozenLinear
+    from retrograd.kernels.frozen import FrozenWeight
+    from retrograd.model.layers import FrozenLinear
+    from retrograd.model.lora import LoRALinear
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(16, 32, generator=g)

@@ -1,4 +1,4 @@
-"""retrograd.memory.activation_bytes (preflight's "activations" line) against what autograd
+"""retrograd.model.activation_memory.activation_bytes (preflight's "activations" line) against what autograd
 really keeps: the bytes of every tensor saved for backward in one forward, counted once per
 storage and without the model's own weights."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import retrograd
-from retrograd.lora import attach_lora
-from retrograd.memory import activation_bytes
+from retrograd.model.activation_memory import activation_bytes
+from retrograd.model.lora import attach_lora
 from retrograd.model.transformer import Layout
 
 

@@ -18,7 +18,7 @@ from retrograd.errors import ConfigError
 from retrograd.gguf.adapter import LoRAWeights, read_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.merge import merge, plan_merge, write_merged
-from retrograd.lora import resolve_targets
+from retrograd.model.lora import resolve_targets
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.recipes import sft
 from retrograd.training.report import SilentReporter

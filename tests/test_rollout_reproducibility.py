@@ -27,7 +27,7 @@ from lora_files import randomise_b
 
 import retrograd
 from retrograd.gguf.adapter import adapter_tensors
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.sampler.sampler import PREFILL_CHUNK, _full_pieces_end, _last_piece_start, _pieces

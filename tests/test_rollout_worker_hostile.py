@@ -30,11 +30,9 @@ from retrograd.config import load_config
 from retrograd.errors import ConfigError, DataError, GGUFError
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors
 from retrograd.gguf.file import GGUFFile
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.recipes import grpo
-from retrograd.rollout_worker import MAX_GENERATE_BYTES, adapter_body_limit
 from retrograd.sampler import Sampler, live_adapter
-from retrograd.training.report import SilentReporter
 from retrograd.sampler.remote import (
     ADAPTER_HEADER_SIZE,
     ADAPTER_MAGIC,
@@ -43,6 +41,8 @@ from retrograd.sampler.remote import (
     encode_adapter,
     start_local_workers,
 )
+from retrograd.serving.rollout_worker import MAX_GENERATE_BYTES, adapter_body_limit
+from retrograd.training.report import SilentReporter
 
 N_VOCAB = 49152  # the tiny llama's
 

@@ -29,9 +29,8 @@ import retrograd
 from retrograd.config import load_config
 from retrograd.errors import ConfigError, DataError, GGUFError
 from retrograd.gguf.adapter import LoRAWeights
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.recipes import grpo
-from retrograd.rollout_worker import read_adapter_body
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.sampler.remote import (
     ADAPTER_HEADER_SIZE,
@@ -40,6 +39,7 @@ from retrograd.sampler.remote import (
     encode_adapter,
     start_local_workers,
 )
+from retrograd.serving.rollout_worker import read_adapter_body
 from retrograd.training.report import SilentReporter
 
 OPTIONS = SamplerOptions(n_ctx=256, n_seq_max=4, kv_dtype="f16", n_threads=1)

@@ -19,8 +19,7 @@ from test_grpo import write_config
 from retrograd.cli.train import ReportingConsole
 from retrograd.config import load_config
 from retrograd.recipes import sft
-from retrograd.run_report import ROLLOUT_ROWS_CAP, RolloutLog, _browsable, latest_attempt
-from retrograd.run_report import browser as browsable
+from retrograd.reports.run_report import ROLLOUT_ROWS_CAP, RolloutLog, _browsable, browser as browsable, latest_attempt
 
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 HOSTILE = '</script><script>document.title="pwned"</script><img src=x onerror="document.title=\'pwned\'">'

@@ -11,9 +11,9 @@ import retrograd
 from retrograd.errors import DataError
 from retrograd.gguf.adapter import adapter_tensors, write_adapter
 from retrograd.gguf.file import GGUFFile
-from retrograd.llamacpp import C, llama_cpp
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.model.tokenizer import Tokenizer
+from retrograd.runtime.llamacpp import C, llama_cpp
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 
 N_CTX = 128

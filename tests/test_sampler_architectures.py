@@ -17,7 +17,7 @@ from lora_files import randomise_b
 
 import retrograd
 from retrograd.config import parse_config
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.recipes import grpo
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.sampler.sampler import PREFILL_CHUNK

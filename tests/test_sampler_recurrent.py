@@ -14,7 +14,7 @@ from test_sampler_architectures import ATOL, TEMPERATURE, _gap, _our_logprobs
 
 import retrograd
 from retrograd.config import load_config
-from retrograd.lora import DEFAULT_TARGETS, attach_lora
+from retrograd.model.lora import DEFAULT_TARGETS, attach_lora
 from retrograd.recipes import grpo
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.sampler.sampler import PREFILL_CHUNK

@@ -21,7 +21,6 @@ import pytest
 from sandboxes import unavailable
 
 from retrograd.errors import ConfigError
-from retrograd.owner import process_tag
 from retrograd.rollouts.sandbox import (
     EnvironmentOptions,
     Limits,
@@ -31,6 +30,7 @@ from retrograd.rollouts.sandbox import (
     cleanup,
     open_environment,
 )
+from retrograd.runtime.owner import process_tag
 
 MIB = 1 << 20
 LIMITS = Limits(memory_mb=512, pids=64, exec_timeout_secs=20)  # /work 256 MiB, /tmp 128 MiB, /dev/shm 64 MiB

@@ -1,6 +1,6 @@
 """`retrograd serve` as a user runs it: a subprocess on a free port of 127.0.0.1, spoken to
 by the official `openai` client and by httpx for raw requests. Its answers are the chat
-layer's (retrograd.inference in this process) for the base and for the adapter. Where a test
+layer's (retrograd.serving.inference in this process) for the base and for the adapter. Where a test
 must see inside (the generations a request made), the app runs in this process instead,
 still over HTTP on loopback and on the real model."""
 
@@ -27,9 +27,9 @@ from lora_files import random_adapter
 
 from retrograd.cli.serve import MAX_QUEUE, MAX_REQUEST_BYTES, bind, named_adapters
 from retrograd.errors import ConfigError
-from retrograd.http_guard import API_KEY_ENV
-from retrograd.inference import BASE, Generation, Inference, Settings
-from retrograd.serve import DEFAULT_MAX_TOKENS, INTERNAL_ERROR, MAX_STOP_CHARACTERS, create_app
+from retrograd.runtime.http_guard import API_KEY_ENV
+from retrograd.serving.inference import BASE, Generation, Inference, Settings
+from retrograd.serving.serve import DEFAULT_MAX_TOKENS, INTERNAL_ERROR, MAX_STOP_CHARACTERS, create_app
 
 N_CTX = 512
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

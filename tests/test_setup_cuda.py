@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from retrograd.llamacpp import C, gpu_devices, gpu_offload_warning
+from retrograd.runtime.llamacpp import C, gpu_devices, gpu_offload_warning
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_LINE = "GPU 0: NVIDIA H200 (UUID: GPU-0)"

@@ -17,7 +17,7 @@ from llama_ref import agreement, llama_logits
 import retrograd
 from retrograd.config import load_config
 from retrograd.gguf.adapter import read_adapter
-from retrograd.lora import attach_lora
+from retrograd.model.lora import attach_lora
 from retrograd.recipes import sft
 from retrograd.recipes.common import load_adapter_weights
 from retrograd.training.report import SilentReporter

@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from retrograd.kernels import frozen
-from retrograd.kernels.frozen import keep_dense
 from test_grpo import write_config
 
 import retrograd
 from retrograd.config import load_config
-from retrograd.lora import attach_lora
+from retrograd.kernels import frozen
+from retrograd.kernels.frozen import keep_dense
+from retrograd.model.lora import attach_lora
 from retrograd.recipes import grpo
 from retrograd.recipes.common import load_base, open_chat
 from retrograd.training.batches import LogprobOptions

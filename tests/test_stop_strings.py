@@ -1,4 +1,4 @@
-"""Stop strings (retrograd.inference._StopStrings): the reply is cut before the first stop
+"""Stop strings (retrograd.serving.inference._StopStrings): the reply is cut before the first stop
 string, whatever pieces the text arrives in, and checking a piece costs time linear in the
 piece, not in the stops' length (`serve` runs it while every other request waits)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from retrograd.inference import _StopStrings
+from retrograd.serving.inference import _StopStrings
 
 
 def naive(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import gguf
 
-from retrograd.bundled import default_model_path
+from retrograd.runtime.bundled import default_model_path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "out" / "distill" / "student.gguf"

@@ -1,49 +1,18 @@
-"""The `retrograd` command. Each command module registers itself on `app`; `main` turns a
-RetrogradError or a usage error into one `error: ...` line on stderr and exit code 2
-(RETROGRAD_DEBUG=1 shows the traceback)."""
+"""The `retrograd` command: app.py holds the Typer app and `main`; importing this package
+imports each command module, which registers its commands on the app."""
 
 from __future__ import annotations
 
-import os
-import sys
-
-import typer
-
-from retrograd.errors import RetrogradError
-
-app = typer.Typer(
-    name="retrograd",
-    help="Fine-tune the GGUF model you already run: LoRA on the frozen base, exported for llama.cpp.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+from retrograd.cli import (
+    bench as _bench,  # noqa: F401  (registers bench)
+    chat as _chat,  # noqa: F401  (registers chat)
+    distill as _distill,  # noqa: F401  (registers distill-teacher)
+    merge as _merge,  # noqa: F401  (registers merge)
+    model as _model,  # noqa: F401  (registers inspect, preflight)
+    profile as _profile,  # noqa: F401  (registers profile)
+    report as _report,  # noqa: F401  (registers report)
+    rollout_worker as _rollout_worker,  # noqa: F401  (registers rollout-worker)
+    serve as _serve,  # noqa: F401  (registers serve)
+    train as _train,  # noqa: F401  (registers train)
 )
-
-from retrograd.cli import bench as _bench  # noqa: F401  (registers bench)
-from retrograd.cli import chat as _chat  # noqa: F401  (registers chat)
-from retrograd.cli import distill as _distill  # noqa: F401  (registers distill-teacher)
-from retrograd.cli import merge as _merge  # noqa: F401  (registers merge)
-from retrograd.cli import model as _model  # noqa: F401  (registers inspect, preflight)
-from retrograd.cli import profile as _profile  # noqa: F401  (registers profile)
-from retrograd.cli import report as _report  # noqa: F401  (registers report)
-from retrograd.cli import rollout_worker as _rollout_worker  # noqa: F401  (registers rollout-worker)
-from retrograd.cli import serve as _serve  # noqa: F401  (registers serve)
-from retrograd.cli import train as _train  # noqa: F401  (registers train)
-
-
-def main() -> None:
-    try:
-        code = app(args=sys.argv[1:], standalone_mode=False)
-    except RetrogradError as e:
-        if os.environ.get("RETROGRAD_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(getattr(e, "exit_code", 2))  # 2: bad input; TrainingDiverged says 1
-    except typer.TyperException as e:  # usage errors (typer's own click)
-        print(f"error: {e.format_message()} (see retrograd --help)", file=sys.stderr)
-        sys.exit(getattr(e, "exit_code", 2))
-    except (KeyboardInterrupt, typer.Abort):
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+from retrograd.cli.app import app, main  # noqa: F401  (the entry point and the app, for tests)

@@ -1,6 +1,6 @@
 """`retrograd bench CONFIG.toml`: base versus adapter on the same examples, as a table and
 a verdict, and with --verbose one line per example or prompt (the measuring is
-retrograd.bench and retrograd.bench_rollouts; this only formats)."""
+retrograd.evaluation.bench and retrograd.evaluation.bench_rollouts; this only formats)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 from retrograd.cli.options import ModelOpt
 from retrograd.cli.progress import ConsoleReporter
 
 if TYPE_CHECKING:
-    from retrograd.bench import ItemRow, Row, Verdict
+    from retrograd.evaluation.common import ItemRow, Row, Verdict
 
 
 @app.command(
@@ -60,8 +60,8 @@ def bench(
     ] = None,
 ) -> None:
     """Measure the base model and the adapter on the same examples; nothing is trained or written."""
-    from retrograd import bench as benches
     from retrograd.config import load_config
+    from retrograd.evaluation import bench as benches
 
     cfg = load_config(config).with_overrides(model=model, device=device)
     console = Console(highlight=False)

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 from retrograd.cli.options import ModelOpt
 from retrograd.errors import ConfigError
 
@@ -52,8 +52,8 @@ def chat(
     threads: ThreadsOpt = 0,
 ) -> None:
     """Chat in the terminal with the model (and its adapter); /reset clears the history, /exit or Ctrl-D quits."""
-    from retrograd.bundled import default_model_path
-    from retrograd.inference import BASE, ContextFull, Inference, Settings
+    from retrograd.runtime.bundled import default_model_path
+    from retrograd.serving.inference import BASE, ContextFull, Inference, Settings
 
     if compare and adapter is None:
         raise ConfigError("--compare needs --adapter: it answers each prompt with the base and with base+adapter")

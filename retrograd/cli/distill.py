@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 from retrograd.cli.options import ModelOpt
 from retrograd.cli.progress import ConsoleReporter
 

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 
 
 @app.command(

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import typer
 
-from retrograd.bundled import default_model_path
-from retrograd.cli import app
+from retrograd.cli.app import app
 from retrograd.cli.options import ComputeOpt, DeviceOpt, ModelOpt, WeightsOpt
+from retrograd.runtime.bundled import default_model_path
 
 
 @app.command(epilog="Example: retrograd inspect --model ~/models/qwen2.5-0.5b-instruct-q4_k_m.gguf")
 def inspect(model: ModelOpt = None, device: DeviceOpt = "auto") -> None:
     """Architecture, sizes, tensor types, chat template, LoRA targets and device of a GGUF model."""
-    from retrograd.capabilities import inspect_model
-    from retrograd.device import resolve_device
+    from retrograd.model.capabilities import inspect_model
+    from retrograd.runtime.device import resolve_device
 
     report = inspect_model(model or default_model_path(), resolve_device(device))
     typer.echo("\n".join(report.lines()))
@@ -32,8 +32,8 @@ def preflight(
     compute_dtype: ComputeOpt = "f32",
 ) -> None:
     """Run one real forward+backward with a throwaway LoRA and report device fallbacks and memory."""
-    from retrograd.device import resolve_device
-    from retrograd.preflight import run_preflight
+    from retrograd.evaluation.preflight import run_preflight
+    from retrograd.runtime.device import resolve_device
 
     report = run_preflight(
         model,

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from retrograd.http_guard import API_KEY_ENV
+from retrograd.runtime.http_guard import API_KEY_ENV
 
 ModelOpt = Annotated[
     Optional[Path],

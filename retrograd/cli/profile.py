@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 from retrograd.cli.options import ModelOpt
 
 
@@ -31,8 +31,7 @@ def profile(
     from retrograd.cli.train import sampler_warning
     from retrograd.config import load_config
     from retrograd.errors import ConfigError
-    from retrograd.profile import Workload, timeline_summary
-    from retrograd.profile import profile as run_profile
+    from retrograd.reports.profile import Workload, profile as run_profile, timeline_summary
 
     if timeline is not None:
         if config is not None:

@@ -49,7 +49,9 @@ class ConsoleReporter:
         self.console.print("  ".join(cells), markup=False)
 
     def advance(self, done: int, status: str) -> None:
-        from retrograd.memory import rss_bytes  # here: importing it loads torch, which `retrograd --help` never needs
+        from retrograd.runtime.memory import (
+            rss_bytes,  # here: importing it loads torch, which `retrograd --help` never needs
+        )
 
         if self._progress is not None:
             self._progress.update(self._task, completed=done, status=f"{status} rss={rss_bytes() / 2**30:.2f}GiB")

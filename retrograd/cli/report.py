@@ -1,4 +1,4 @@
-"""`retrograd report RUN`: write the run's NAME.report.html (the building is retrograd.run_report)."""
+"""`retrograd report RUN`: write the run's NAME.report.html (the building is retrograd.reports.run_report)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 
 
 @app.command(
@@ -21,7 +21,7 @@ def report(
                                                            "NAME.metrics.jsonl).")] = None,
 ) -> None:
     """Write one self-contained NAME.report.html (curves, update timeline, rollouts, checkpoints) that opens offline."""
-    from retrograd.run_report import RunReport, locate
+    from retrograd.reports.run_report import RunReport, locate
 
     report = RunReport(locate(run))
     written = report.write(out)

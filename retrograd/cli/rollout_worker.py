@@ -1,5 +1,5 @@
 """`retrograd rollout-worker`: one Sampler behind HTTP for trainers on other processes or
-machines (retrograd/rollout_worker.py, client in retrograd/sampler/remote.py). The port is
+machines (retrograd/serving/rollout_worker.py, client in retrograd/sampler/remote.py). The port is
 bound before the model loads, so a port in use costs one line; once serving, the worker
 prints one line `rollout-worker: listening on http://HOST:PORT (MODEL)` (with --port 0, the
 port it got). Off loopback it needs an API key (--api-key or $RETROGRAD_API_KEY), which
@@ -13,11 +13,11 @@ from typing import Annotated
 
 import typer
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 from retrograd.cli.chat import ThreadsOpt
 from retrograd.cli.options import ApiKeyOpt, ModelOpt
 from retrograd.cli.serve import bind
-from retrograd.http_guard import require_key_off_loopback, resolve_api_key
+from retrograd.runtime.http_guard import require_key_off_loopback, resolve_api_key
 
 
 @app.command(
@@ -48,9 +48,9 @@ def rollout_worker(
     """Serve GRPO / distillation rollouts of the model with a live LoRA (GET /info, POST /generate, POST /adapter)."""
     import uvicorn
 
-    from retrograd.bundled import default_model_path
-    from retrograd.rollout_worker import create_app
+    from retrograd.runtime.bundled import default_model_path
     from retrograd.sampler import Sampler, SamplerOptions
+    from retrograd.serving.rollout_worker import create_app
 
     options = SamplerOptions(n_ctx=ctx, n_seq_max=concurrency, kv_dtype=kv_dtype, n_threads=threads)
     path = model or default_model_path()

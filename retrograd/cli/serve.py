@@ -1,5 +1,5 @@
 """`retrograd serve`: the base and its adapters behind an OpenAI-compatible HTTP API
-(retrograd/serve.py). The port is bound before the model loads, so a port in use (or an
+(retrograd/serving/serve.py). The port is bound before the model loads, so a port in use (or an
 address other machines reach, without a key) costs nothing but one line."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Annotated
 
 import typer
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 from retrograd.cli.chat import ChatTemplateOpt, CtxOpt, ThreadsOpt
 from retrograd.cli.options import ApiKeyOpt, ModelOpt
 from retrograd.errors import ConfigError
-from retrograd.http_guard import require_key_off_loopback, resolve_api_key
+from retrograd.runtime.http_guard import require_key_off_loopback, resolve_api_key
 
 MAX_REQUEST_BYTES = 4 * 2**20  # a prompt must fit the context anyway: 4 MiB is ~1M tokens of text
 MAX_QUEUE = 16  # requests waiting for the model while one generates
@@ -52,9 +52,9 @@ def serve(
     """Serve the model as `base` and each adapter by name at /v1 (chat/completions, completions, models)."""
     import uvicorn
 
-    from retrograd.bundled import default_model_path
-    from retrograd.inference import Inference
-    from retrograd.serve import create_app
+    from retrograd.runtime.bundled import default_model_path
+    from retrograd.serving.inference import Inference
+    from retrograd.serving.serve import create_app
 
     adapters = named_adapters(adapter or [])
     key = resolve_api_key(api_key)
@@ -85,7 +85,7 @@ def serve(
 
 def named_adapters(args: list[str]) -> dict[str, Path]:
     """NAME=PATH or PATH (named by its stem) -> {name: path}; names are unique."""
-    from retrograd.inference import BASE
+    from retrograd.serving.inference import BASE
 
     named: dict[str, Path] = {}
     for arg in args:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from retrograd.cli import app
+from retrograd.cli.app import app
 from retrograd.cli.options import ModelOpt
 from retrograd.cli.progress import ConsoleReporter
 from retrograd.errors import RetrogradError
@@ -72,7 +72,7 @@ class ReportingConsole(ConsoleReporter):
     def refresh_report(self) -> Path | None:
         """The report written, or None with a note: a report must never stop the training
         it describes, whatever it meets in the records."""
-        from retrograd.run_report import RunReport, run_files
+        from retrograd.reports.run_report import RunReport, run_files
 
         try:
             self.report = self.report or RunReport(run_files(self.cfg))
@@ -87,8 +87,8 @@ def sampler_warning(cfg) -> str | None:
     (every algorithm but sft runs llama.cpp)."""
     if cfg.run.algorithm == "sft":
         return None
-    from retrograd.device import resolve_device
-    from retrograd.llamacpp import gpu_offload_warning
+    from retrograd.runtime.device import resolve_device
+    from retrograd.runtime.llamacpp import gpu_offload_warning
 
     return gpu_offload_warning(resolve_device(cfg.model.device).type == "cuda")
 

@@ -41,7 +41,7 @@ class LoRAWeights:
 
 
 def adapter_tensors(adapter) -> dict[str, LoRAWeights]:
-    """An in-memory retrograd.lora.Adapter -> numpy float32 tensors by base weight name."""
+    """An in-memory retrograd.model.lora.Adapter -> numpy float32 tensors by base weight name."""
     import torch  # here: `retrograd merge` reads adapters in a process that never loads torch (200 MB)
 
     out = {}

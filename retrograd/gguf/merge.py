@@ -28,8 +28,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from retrograd.errors import GGUFError, RetrogradError
 from retrograd.gguf.adapter import AdapterFile, read_fitting_adapter
@@ -210,7 +209,7 @@ def _ggml_quantize(ggml, rows: np.ndarray, qtype: QT) -> np.ndarray:
 @functools.cache
 def _ggml():
     """llama.cpp's libggml as llama-cpp-python loaded it, with the signatures we call."""
-    from retrograd.llamacpp import libggml  # here: only K-quant merges need llama.cpp loaded
+    from retrograd.runtime.llamacpp import libggml  # here: only K-quant merges need llama.cpp loaded
 
     libggml.ggml_quantize_chunk.restype = ctypes.c_size_t
     libggml.ggml_quantize_chunk.argtypes = [

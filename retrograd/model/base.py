@@ -14,7 +14,6 @@ import gguf.quants
 import numpy as np
 import torch
 
-from retrograd.bundled import default_model_path
 from retrograd.errors import GGUFError, UnsupportedArchError
 from retrograd.gguf.file import GGUFFile, TensorInfo
 from retrograd.gguf.spec import ModelSpec, read_spec
@@ -22,6 +21,7 @@ from retrograd.kernels.dequant import CODECS
 from retrograd.kernels.frozen import FrozenWeight, dense_budget
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.model.transformer import Transformer
+from retrograd.runtime.bundled import default_model_path
 
 WEIGHT_MODES = ("auto", "quantized", "bf16", "f32")
 COMPUTE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -80,7 +80,7 @@ def load_model(
     dequantize every matrix once at load; "auto" holds the matrices dense in the compute
     dtype when they fit the memory budget (see `hold_dense`), else quantized. "auto" and
     "quantized" compute the same bits. compute_dtype: "f32" or "bf16" for matmuls.
-    device: a torch device (see retrograd.device.resolve_device for auto/cpu/gpu).
+    device: a torch device (see retrograd.runtime.device.resolve_device for auto/cpu/gpu).
     tokenizer: one already opened for this file, reused."""
     if weights not in WEIGHT_MODES:
         raise GGUFError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from retrograd.gguf.spec import ModelSpec
 from retrograd.kernels.frozen import FrozenWeight, frozen_linear
-from retrograd.model.transformer import FrozenLinear, GatedProduct
+from retrograd.model.layers import FrozenLinear, GatedProduct
 
 # spec.expert_gating -> router logits [T, n_expert] -> the values the pick sorts
 GATINGS = {
@@ -42,7 +42,7 @@ WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the sum it renormalises by
 class FrozenExperts(FrozenLinear):
     """A stack of frozen expert matrices [n_expert, n_out, n_in] (one GGUF tensor), with gpt-oss's
     biases [n_expert, n_out] if given: forward(x, e) multiplies by expert e (and adds its bias).
-    LoRA wraps it with a pair per expert (retrograd.lora), its delta added to this output."""
+    LoRA wraps it with a pair per expert (retrograd.model.lora), its delta added to this output."""
 
     def __init__(self, weight: FrozenWeight, bias: torch.Tensor | None = None):
         super().__init__(weight, bias)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from retrograd.errors import GGUFError
-from retrograd.llamacpp import C, llama_cpp
+from retrograd.runtime.llamacpp import C, llama_cpp
 
 
 class Tokenizer:

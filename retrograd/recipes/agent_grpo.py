@@ -36,10 +36,9 @@ import torch
 
 from retrograd.config import Config
 from retrograd.data import ChatFormat, completion_seed, evenly_spaced
-from retrograd.memory import rss_bytes
 from retrograd.objectives.advantages import baseline_name, group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
-from retrograd.recipes.common import Setup, open_chat, prepare, resume_point, rollout_sampler_options, signature
+from retrograd.recipes.common import Setup, open_chat, prepare, rollout_sampler_options, signature
 from retrograd.rollouts.agent import (
     STOPS,
     AgentRollouts,
@@ -53,24 +52,20 @@ from retrograd.rollouts.rewards import OneshotCommandReward, Reward, RewardError
 from retrograd.rollouts.sandbox import EnvironmentOptions, SandboxPool, open_environment
 from retrograd.rollouts.scenarios import Scenario, load_scenarios
 from retrograd.rollouts.tools import ToolCatalog
+from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import Sampler, SamplerOptions
 from retrograd.training.distributed import launched_as_rank_zero
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
-    Batch,
-    Decision,
-    Evaluation,
-    RolloutRecipe,
     RolloutResult,
     Trainer,
-    TrainPlan,
     cut_text,
     make_policy,
     on_rank_zero,
     reward_evaluation,
     run_rollouts,
-    warm_up,
 )
+from retrograd.training.rollout_recipe import Batch, Decision, Evaluation, RolloutRecipe, TrainPlan
 from retrograd.training.rollout_step import TrainSample
 from retrograd.training.scoring import Rollout
 from retrograd.training.timeline import PhaseClock
@@ -183,9 +178,8 @@ def train(cfg: Config, setup: Setup, sampler, task: AgentTask, reporter: Reporte
     policy = make_policy(cfg, setup, loss_options, updates=a.updates, steps_per_update=a.epochs_per_update * a.minibatches,
                          temperature=a.temperature, reporter=reporter)
     recipe = AgentRecipe(cfg, sampler, task, reporter)
-    trainer = Trainer(setup, sampler, policy, reporter, _signature(cfg, setup, task), (init_timing or {}) | warm_up(setup),
-                      baseline_rss)
-    return run_rollouts(cfg, recipe.recipe(), trainer, resume_point(cfg, resume, reporter))
+    trainer = Trainer(setup, sampler, policy, reporter, _signature(cfg, setup, task), init_timing or {}, baseline_rss)
+    return run_rollouts(cfg, recipe.recipe(), trainer, resume)
 
 
 def _signature(cfg: Config, setup: Setup, task: AgentTask) -> dict:

@@ -14,23 +14,22 @@ from pathlib import Path
 
 import torch
 
-from retrograd.bundled import default_model_path
 from retrograd.config import Config
 from retrograd.data import ChatFormat, resolve_chat_template
-from retrograd.device import resolve_device
-from retrograd.errors import ConfigError, DataError, DeviceError, TrainingDiverged
+from retrograd.errors import ConfigError, DeviceError, TrainingDiverged
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.merge import check_out, merge
 from retrograd.gguf.spec import read_spec
 from retrograd.kernels.frozen import dense_budget, keep_dense
-from retrograd.lora import Adapter, attach_lora
-from retrograd.memory import rss_bytes
 from retrograd.model.base import BaseModel, load_model
+from retrograd.model.lora import Adapter, attach_lora
 from retrograd.model.tokenizer import Tokenizer
-from retrograd.preflight import off_device
+from retrograd.runtime.bundled import default_model_path
+from retrograd.runtime.device import off_device, resolve_device
+from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import Sampler, SamplerOptions
-from retrograd.training.checkpoint import Checkpoint, content_hash, file_fingerprint, latest_checkpoint, load_checkpoint
+from retrograd.training.checkpoint import content_hash, file_fingerprint, latest_checkpoint
 from retrograd.training.distributed import rank_device
 from retrograd.training.report import Reporter
 
@@ -219,24 +218,6 @@ def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
         if value is not None:
             sig[section] = {k: v for k, v in dataclasses.asdict(value).items() if k not in ("data", "prompts")}
     return json.loads(json.dumps(sig, default=str))  # as it will read back from the manifest
-
-
-def resume_point(cfg: Config, resume: Path | bool | None, reporter: Reporter) -> Checkpoint | None:
-    """The checkpoint to resume from: --resume-from PATH, --resume (True: the newest sound one
-    in [checkpoint].directory, saying which damaged ones it passed over), or
-    [checkpoint].resume_from; None for a fresh run."""
-    if resume is None and cfg.checkpoint and cfg.checkpoint.resume_from:
-        resume = cfg.checkpoint.resume_from
-    if resume is None or resume is False:
-        return None
-    if resume is True:
-        if cfg.checkpoint is None:
-            raise DataError("--resume: the config has no [checkpoint] section, so there is nothing to resume")
-        found = latest_checkpoint(cfg.checkpoint.directory, reporter.message)
-        if found is None:
-            raise DataError(f"--resume: no checkpoint to resume in {cfg.checkpoint.directory}")
-        return found
-    return load_checkpoint(Path(resume))
 
 
 @contextmanager

@@ -31,7 +31,6 @@ import torch
 
 from retrograd.config import Config
 from retrograd.data import Prompt, completion_seed, evenly_spaced, load_prompts, order_name, prompt_index
-from retrograd.memory import rss_bytes
 from retrograd.objectives.advantages import baseline_name, group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
@@ -39,27 +38,23 @@ from retrograd.recipes.common import (
     open_chat,
     open_rollout_sampler,
     prepare,
-    resume_point,
     rollout_sampler_options,
     signature,
 )
 from retrograd.rollouts.rewards import make_reward
+from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
-    Batch,
-    Decision,
-    RolloutRecipe,
     RolloutResult,
     Trainer,
-    TrainPlan,
     cut_text,
     make_policy,
     on_rank_zero,
     reward_evaluation,
     run_rollouts,
-    warm_up,
 )
+from retrograd.training.rollout_recipe import Batch, Decision, RolloutRecipe, TrainPlan
 from retrograd.training.rollout_step import TrainSample
 from retrograd.training.scoring import Rollout
 from retrograd.training.timeline import PhaseClock
@@ -117,8 +112,8 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                                  temperature=g.sampling.temperature, reporter=reporter)
             rollouts = GRPORollouts(cfg, sampler, reward, prompts, eval_prompts, policy.duty, setup.model.tokenizer)
             data_files = {"grpo.prompts": g.prompts} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
-            trainer = Trainer(setup, sampler, policy, reporter, signature(setup, data_files), init | warm_up(setup), baseline_rss)
-            return run_rollouts(cfg, rollouts.recipe(), trainer, resume_point(cfg, resume, reporter))
+            trainer = Trainer(setup, sampler, policy, reporter, signature(setup, data_files), init, baseline_rss)
+            return run_rollouts(cfg, rollouts.recipe(), trainer, resume)
 
 
 class GRPORollouts:

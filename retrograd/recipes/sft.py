@@ -19,10 +19,10 @@ from pathlib import Path
 
 from retrograd.config import Config
 from retrograd.data import evenly_spaced, load_sft
-from retrograd.memory import rss_bytes
-from retrograd.recipes.common import open_chat, prepare, resume_point, signature
+from retrograd.recipes.common import open_chat, prepare, signature
+from retrograd.runtime.memory import rss_bytes
 from retrograd.training.batches import LogprobOptions, batch_logprobs, epoch_plan, mean_loss, pack
-from retrograd.training.checkpoint import check_signature, step_name
+from retrograd.training.checkpoint import check_signature, resume_point, step_name
 from retrograd.training.distributed import init_ranks
 from retrograd.training.metrics import MetricsSink, NullMetrics, run_record
 from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
@@ -74,7 +74,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     sig = signature(setup, data_files)
     progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
 
-    checkpoint = resume_point(cfg, resume, reporter)
+    checkpoint = resume_point(cfg, resume, reporter.message)
     if checkpoint is not None:
         check_signature(checkpoint, sig)
         progress = restore_state(checkpoint, setup, optimizer)

@@ -46,8 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from retrograd.data import ChatFormat
-from retrograd.data import tools as hermes
+from retrograd.data import ChatFormat, tools as hermes
 from retrograd.data.chat import tool_style
 from retrograd.data.messages import Conversation
 from retrograd.data.template import TemplateBudgetError

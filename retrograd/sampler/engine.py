@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from retrograd.errors import GGUFError
-from retrograd.llamacpp import C, gpu_devices
+from retrograd.runtime.llamacpp import C, gpu_devices
 
 # kv_dtype -> (ggml type of K and V, flash attention mode)
 KV_MODES = {

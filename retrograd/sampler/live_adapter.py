@@ -53,7 +53,7 @@ class LiveAdapter:
         self._views: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # its A and B data, memory-mapped
 
     def refresh(self, adapter, alpha: float | None) -> RefreshTiming:
-        """adapter: a retrograd.lora.Adapter, {base weight name: LoRAWeights} (then alpha is
+        """adapter: a retrograd.model.lora.Adapter, {base weight name: LoRAWeights} (then alpha is
         required), or None for the base model."""
         t0 = time.perf_counter()
         if adapter is not None:

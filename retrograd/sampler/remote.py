@@ -1,4 +1,4 @@
-"""Sampling on rollout workers: `retrograd rollout-worker` processes (retrograd/rollout_worker.py)
+"""Sampling on rollout workers: `retrograd rollout-worker` processes (retrograd/serving/rollout_worker.py)
 each serve one Sampler over HTTP, and `RemoteSamplers` stands in for a Sampler where GRPO and
 on-policy distillation use one (generate, set_adapter, eog_ids, placement, close).
 
@@ -51,10 +51,10 @@ from pathlib import Path
 import numpy as np
 
 from retrograd import errors
-from retrograd.bundled import default_model_path
 from retrograd.errors import ConfigError, DataError, RetrogradError
 from retrograd.gguf.file import GGUFFile
-from retrograd.http_guard import API_KEY_ENV
+from retrograd.runtime.bundled import default_model_path
+from retrograd.runtime.http_guard import API_KEY_ENV
 from retrograd.sampler.live_adapter import RefreshTiming, _tensors_and_alpha
 from retrograd.sampler.sampler import Completion, GroupRequest, SamplerOptions
 

@@ -90,8 +90,8 @@ from pathlib import Path
 
 import numpy as np
 
-from retrograd.bundled import default_model_path
 from retrograd.errors import ConfigError, DataError
+from retrograd.runtime.bundled import default_model_path
 from retrograd.sampler.engine import KV_MODES, MAX_SEQUENCES, Engine, Feed, Placement
 from retrograd.sampler.live_adapter import LiveAdapter, RefreshTiming
 from retrograd.sampler.sampling import Sampling, sample_token
@@ -277,7 +277,7 @@ class Sampler:
     # ---- the live adapter
 
     def set_adapter(self, adapter, *, alpha: float | None = None) -> RefreshTiming:
-        """Sample with `adapter` from now on: a retrograd.lora.Adapter, {weight name:
+        """Sample with `adapter` from now on: a retrograd.model.lora.Adapter, {weight name:
         LoRAWeights} with alpha, or None for the base model. Every cached KV is dropped
         (it was computed with the old weights); conversations re-prefill on their next turn."""
         timing = self.adapter.refresh(adapter, alpha)

@@ -26,9 +26,9 @@ import torch
 
 from retrograd.errors import ConfigError, GGUFError
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, LogprobStats
-from retrograd.llamacpp import C
 from retrograd.model.base import BaseModel, load_model
 from retrograd.model.transformer import Transformer
+from retrograd.runtime.llamacpp import C
 from retrograd.training.batches import Group, LogprobOptions, PackedBatch, pack
 from retrograd.training.scoring import Rollout, plan
 

@@ -42,11 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save_file as save_tensors
+from safetensors.torch import load as load_tensors, save_file as save_tensors
 
-from retrograd.errors import RetrogradError
-from retrograd.owner import is_dead, process_tag
+from retrograd.errors import DataError, RetrogradError
+from retrograd.runtime.owner import is_dead, process_tag
 from retrograd.training.optim import state_shape
 
 FORMAT_VERSION = 2  # 1 held pickles (lora.pt, optimizer.pt, rng.pt)
@@ -266,6 +265,24 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: progress.json holds no step count (global_step)")
     return Checkpoint(path, manifest, progress)
+
+
+def resume_point(cfg, resume: Path | bool | None, message: Callable[[str], None]) -> Checkpoint | None:
+    """The checkpoint to resume from: --resume-from PATH, --resume (True: the newest sound one
+    in [checkpoint].directory, saying which damaged ones it passed over), or
+    [checkpoint].resume_from; None for a fresh run."""
+    if resume is None and cfg.checkpoint and cfg.checkpoint.resume_from:
+        resume = cfg.checkpoint.resume_from
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        if cfg.checkpoint is None:
+            raise DataError("--resume: the config has no [checkpoint] section, so there is nothing to resume")
+        found = latest_checkpoint(cfg.checkpoint.directory, message)
+        if found is None:
+            raise DataError(f"--resume: no checkpoint to resume in {cfg.checkpoint.directory}")
+        return found
+    return load_checkpoint(Path(resume))
 
 
 def check_signature(checkpoint: Checkpoint, expected: dict) -> None:

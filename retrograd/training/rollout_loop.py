@@ -1,6 +1,6 @@
 """The one rollout loop that grpo, agent_grpo and distill's on_policy mode run.
 
-A recipe hands `run_rollouts` a RolloutRecipe: `produce` samples one update's rollouts
+A recipe hands `run_rollouts` a RolloutRecipe (training/rollout_recipe.py): `produce` samples one update's rollouts
 (immutable records, rewards included) and `plan` turns them into training samples with
 advantages and one Decision per rollout; a few smaller functions give its rollouts.jsonl
 line, its held-out evaluation and its table row. The loop owns the rest: resuming into the
@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from retrograd.errors import RetrogradError
-from retrograd.memory import PeakMemory, rss_bytes
+from retrograd.runtime.memory import PeakMemory, rss_bytes
 from retrograd.training.batches import LogprobOptions
-from retrograd.training.checkpoint import Checkpoint, check_signature, step_name
+from retrograd.training.checkpoint import Checkpoint, check_signature, resume_point, step_name
 from retrograd.training.distributed import init_ranks
 from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink, NullMetrics, run_record
 from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
+from retrograd.training.rollout_recipe import Batch, Evaluation, RolloutRecipe, TrainPlan
 from retrograd.training.rollout_sources import AsyncSource, Delivery, RankSource, SyncSource
 from retrograd.training.rollout_step import PolicyOptimizer, TrainSample, UpdateResult, adapter_is_zero
 from retrograd.training.scoring import Rollout, micro_batch_logprobs
@@ -46,79 +47,6 @@ from retrograd.training.timeline import PhaseClock, Timeline
 class RolloutRunStopped(RetrogradError):
     """A recipe's failure policy ended the run (agent_grpo: too many dropped trajectories, an
     update without a baseline); the update's metrics and rollouts are written first."""
-
-
-# ---------------------------------------------------------------- what a recipe hands the loop
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One update's rollouts as the producer left them."""
-
-    update: int
-    rollouts: tuple  # the recipe's frozen records
-    cursor: int = 0  # the data position after these rollouts (checkpointed with the update that trains them)
-    metrics: dict = field(default_factory=dict)  # measured while producing: completions/*, agent/*, env/*
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the trainer made of one rollout; joined with the record for rollouts.jsonl."""
-
-    advantage: float
-    trained: bool
-    skip_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class TrainPlan:
-    """What `plan` makes of a batch."""
-
-    samples: tuple[TrainSample, ...]
-    trained: tuple[int, ...]  # the rollout index of each sample
-    decisions: tuple[Decision, ...]  # one per rollout of the batch
-    metrics: dict  # reward/*, batch/* and the like
-    beta: float = 0.0  # the KL coefficient of this update
-    state: dict = field(default_factory=dict)  # the recipe's checkpointed counters after this update
-    discarded_groups: int = 0  # groups without a learning signal (timeline.jsonl counts them)
-    note: str | None = None  # said when there is nothing to train
-    halt: str | None = None  # stop cleanly after this update, saying why
-    fail: str | None = None  # stop with an error once this update's records are written
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """A held-out evaluation's value and what to log and say about it."""
-
-    value: float
-    metrics: dict
-    line: str  # "eval update 3/10: mean reward …" (the loop adds best / stale)
-    higher_is_better: bool = True
-
-
-@dataclass(frozen=True)
-class RolloutRecipe:
-    """A rollout algorithm as the loop runs it."""
-
-    name: str  # the plan line's first word: "grpo", "agent_grpo", "distill on_policy (jsd)"
-    plan_line: str  # the rest of that line: updates, epochs, prompts, groups
-    updates: int
-    epochs_label: str  # the summary's name for epochs per update
-    epochs: int
-    minibatches: int
-    budget_tokens: int  # the loss denominator's per-sample token budget
-    phases: tuple[str, ...]  # the timing keys, in report order
-    columns: tuple[str, ...]  # the table's columns after update and step
-    loss_key: str
-    produce: Callable[[int, int, PhaseClock], Batch]  # (update, cursor, clock) -> the update's rollouts
-    plan: Callable[[Batch, dict], TrainPlan]  # (batch, state) -> samples and decisions
-    record: Callable[[Any, Decision, list | None, int, int], dict]  # (rollout, decision, policy log-probs, update, cap)
-    row: Callable[[dict], dict]  # metrics -> the table's values for `columns`
-    status: Callable[[dict], str]  # metrics -> the progress bar's text
-    evaluate: Callable[[int], Evaluation] | None = None
-    state: dict = field(default_factory=dict)  # the recipe's counters at the start of a run
-    settle: Callable[[dict, dict], dict] | None = None  # (state, metrics) -> state, after the optimizer
-    train: Callable[..., UpdateResult] | None = None  # replaces PolicyOptimizer.update (distill's jsd)
 
 
 @dataclass
@@ -222,9 +150,11 @@ def cut_text(text: str, cap: int) -> str:
 # ---------------------------------------------------------------- the loop
 
 
-def run_rollouts(cfg, recipe: RolloutRecipe, trainer: Trainer, checkpoint: Checkpoint | None) -> RolloutResult:
-    """Train `recipe.updates` updates (fewer when patience or the recipe halts), resuming
-    from `checkpoint` when given."""
+def run_rollouts(cfg, recipe: RolloutRecipe, trainer: Trainer, resume: Path | bool | None = None) -> RolloutResult:
+    """Warm up, then train `recipe.updates` updates (fewer when patience or the recipe
+    halts), resuming as `resume` says (checkpoint.resume_point)."""
+    trainer.init_timing = trainer.init_timing | warm_up(trainer.setup)
+    checkpoint = resume_point(cfg, resume, trainer.reporter.message)
     loop = _Loop(cfg, recipe, trainer)
     return loop.run(checkpoint)
 

@@ -12,15 +12,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from retrograd.errors import RetrogradError
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors
 from retrograd.training.distributed import Ranks
+from retrograd.training.rollout_recipe import Batch, RolloutRecipe
 from retrograd.training.timeline import PhaseClock, Timeline
-
-if TYPE_CHECKING:
-    from retrograd.training.rollout_loop import Batch, RolloutRecipe
 
 
 @dataclass(frozen=True)

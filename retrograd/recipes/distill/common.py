@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from retrograd.bundled import default_model_path
 from retrograd.config import Config
 from retrograd.data import ChatFormat, resolve_chat_template
 from retrograd.errors import ConfigError
@@ -23,6 +22,7 @@ from retrograd.recipes.common import (
     Setup,
     signature,
 )
+from retrograd.runtime.bundled import default_model_path
 from retrograd.teacher import (
     TeacherOptions,
 )

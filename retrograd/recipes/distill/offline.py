@@ -16,16 +16,13 @@ import torch
 
 from retrograd.config import Config
 from retrograd.data import evenly_spaced, load_sft
-from retrograd.device import resolve_device
 from retrograd.errors import ConfigError
-from retrograd.memory import PeakMemory, rss_bytes
 from retrograd.objectives.distill import topk_cross_entropy
 from retrograd.recipes.common import (
     Setup,
     compute_dtype,
     open_chat,
     prepare,
-    resume_point,
 )
 from retrograd.recipes.distill.common import (
     DistillResult,
@@ -35,6 +32,8 @@ from retrograd.recipes.distill.common import (
     student_path,
     teacher_options,
 )
+from retrograd.runtime.device import resolve_device
+from retrograd.runtime.memory import PeakMemory, rss_bytes
 from retrograd.teacher import (
     Sidecar,
     SidecarHeader,
@@ -50,7 +49,7 @@ from retrograd.teacher import (
     write_sidecar,
 )
 from retrograd.training.batches import LogprobOptions, epoch_plan, mean_loss, pack
-from retrograd.training.checkpoint import check_signature, file_fingerprint
+from retrograd.training.checkpoint import check_signature, file_fingerprint, resume_point
 from retrograd.training.metrics import MetricsSink, run_record
 from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
@@ -227,7 +226,7 @@ class OfflineLoop(RecipeLoop):
             {"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {}
         )
         self.signature = distill_signature(self.setup, data_files)
-        checkpoint = resume_point(cfg, resume, self.reporter)
+        checkpoint = resume_point(cfg, resume, self.reporter.message)
         if checkpoint is not None:
             check_signature(checkpoint, self.signature)
             self.progress = restore_state(checkpoint, self.setup, self.optimizer)

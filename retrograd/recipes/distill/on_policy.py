@@ -15,10 +15,9 @@ import torch
 from retrograd.config import Config
 from retrograd.data import Prompt, completion_seed, evenly_spaced, load_prompts, order_name, prompt_index
 from retrograd.errors import ConfigError
-from retrograd.memory import rss_bytes
 from retrograd.objectives.distill import generalized_jsd, teacher_advantages, teacher_diagnostics
 from retrograd.objectives.policy import PolicyLossOptions, k3_kl
-from retrograd.recipes.common import open_chat, open_rollout_sampler, prepare, resume_point, rollout_sampler_options
+from retrograd.recipes.common import open_chat, open_rollout_sampler, prepare, rollout_sampler_options
 from retrograd.recipes.distill.common import (
     apply_step,
     distill_signature,
@@ -27,23 +26,19 @@ from retrograd.recipes.distill.common import (
     teacher_chat,
     teacher_options,
 )
+from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.teacher import TeacherScores, check_same_tokenizer, gather_at, open_teacher, pack_rollouts
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
-    Batch,
-    Decision,
-    Evaluation,
-    RolloutRecipe,
     RolloutResult,
     Trainer,
-    TrainPlan,
     cut_text,
     make_policy,
     on_rank_zero,
     run_rollouts,
-    warm_up,
 )
+from retrograd.training.rollout_recipe import Batch, Decision, Evaluation, RolloutRecipe, TrainPlan
 from retrograd.training.rollout_step import PolicyOptimizer, TrainSample, UpdateResult
 from retrograd.training.scoring import Rollout, plan, rollout_logprobs
 from retrograd.training.timeline import PhaseClock
@@ -133,9 +128,8 @@ def run_on_policy(cfg: Config, reporter: Reporter, resume) -> RolloutResult:
                                         (eval_prompts, eval_teacher))
             data_files = {"distill.prompts": d.prompts} | (
                 {"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
-            trainer = Trainer(setup, sampler, policy, reporter, distill_signature(setup, data_files),
-                              init | warm_up(setup), baseline_rss)
-            return run_rollouts(cfg, rollouts.recipe(), trainer, resume_point(cfg, resume, reporter))
+            trainer = Trainer(setup, sampler, policy, reporter, distill_signature(setup, data_files), init, baseline_rss)
+            return run_rollouts(cfg, rollouts.recipe(), trainer, resume)
 
 
 class OnPolicyRollouts:

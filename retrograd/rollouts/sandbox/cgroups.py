@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from retrograd import owner
+from retrograd.runtime import owner
 
 PREFIX = "retrograd-"
 V1_CONTROLLERS = ("memory", "pids")

@@ -16,8 +16,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from retrograd import owner
 from retrograd.rollouts.sandbox.base import SandboxError
+from retrograd.runtime import owner
 
 PRIVATE_MODE = 0o700  # of the per-user parent and of every folder made in it (tempfile.mkdtemp's mode)
 

@@ -36,7 +36,6 @@ import docker
 import docker.errors
 import docker.types
 
-from retrograd import owner
 from retrograd.rollouts.sandbox.base import (
     KILL_GRACE_SECS,
     WIPE_SCRIPT,
@@ -54,10 +53,11 @@ from retrograd.rollouts.sandbox.options import (
     EnvironmentOptions,
     host_path_problem,
 )
+from retrograd.runtime import owner
 
 LABEL_RUN = "retrograd.pool"  # the run id
 LABEL_HOST = "retrograd.host"
-LABEL_OWNER = "retrograd.owner"  # owner.process_tag() of the process that created it
+LABEL_OWNER = "retrograd.runtime.owner"  # owner.process_tag() of the process that created it
 LABEL_INSTANCE = "retrograd.instance"  # one pool; close() removes exactly these
 KEEPER = ["sh", "-c", "trap 'kill -9 -1' USR1; while :; do sleep 2147483647 & wait $!; done"]
 KILL_SIGNAL = "SIGUSR1"

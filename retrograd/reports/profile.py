@@ -21,10 +21,10 @@ from types import ModuleType
 import torch
 
 from retrograd.config import Config
-from retrograd.device import resolve_device
 from retrograd.errors import ConfigError
 from retrograd.recipes import agent_grpo, grpo
 from retrograd.recipes.common import compute_dtype
+from retrograd.runtime.device import resolve_device
 from retrograd.training.metrics import run_record
 from retrograd.training.report import SilentReporter
 from retrograd.training.rollout_loop import RolloutResult

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API over retrograd.inference (FastAPI; streaming through
+"""An OpenAI-compatible HTTP API over retrograd.serving.inference (FastAPI; streaming through
 sse-starlette): GET /v1/models, POST /v1/chat/completions and /v1/completions, with
 `stream: true` as server-sent events ending in `data: [DONE]`.
 
@@ -33,8 +33,8 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from retrograd.errors import DataError
-from retrograd.http_guard import Guard
-from retrograd.inference import Generation, Inference, Settings
+from retrograd.runtime.http_guard import Guard
+from retrograd.serving.inference import Generation, Inference, Settings
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARACTERS = 1000  # in all of a request's stop strings

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from retrograd.device import describe
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import ModelSpec, read_spec
 from retrograd.kernels.dequant import CODECS
-from retrograd.lora import DEFAULT_TARGETS, EXPERT_FAMILIES, FUSED_FAMILIES, NAMED_TARGETS, TARGET_ALIASES
+from retrograd.model.lora import DEFAULT_TARGETS, EXPERT_FAMILIES, FUSED_FAMILIES, NAMED_TARGETS, TARGET_ALIASES
+from retrograd.runtime.device import describe
 
 
 @dataclass(frozen=True)

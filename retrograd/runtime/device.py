@@ -38,3 +38,14 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def off_device(device: torch.device, *, sampling: bool) -> list[str]:
+    """What would fall back to the CPU when training on a GPU: preflight's report, and
+    training.require_gpu_resident's check at the start of a run (`sampling`: the run
+    generates rollouts with llama.cpp). Nothing when the device is the CPU itself."""
+    from retrograd.runtime.llamacpp import C  # here: asking loads llama.cpp, which choosing a device does not need
+
+    if device.type != "cpu" and sampling and not C.llama_supports_gpu_offload():
+        return ["rollout generation (this llama-cpp-python build has no GPU backend: llama.cpp samples on the CPU)"]
+    return []

@@ -1,4 +1,4 @@
-"""The page of a run report (retrograd.run_report): a Jinja template with autoescaping (rollout
+"""The page of a run report (retrograd.reports.run_report): a Jinja template with autoescaping (rollout
 text is untrusted model output), plotly.js embedded from the installed plotly package, and a
 few lines of JavaScript that draw the figures and filter the rollout browser."""
 

@@ -15,7 +15,7 @@ POST /adapter      remote.encode_adapter's body: a JSON header (alpha, version, 
 
 Calls take turns on the one Sampler (a lock). A refusal is 4xx with
 {"error": {"message": one line, "kind": the retrograd.errors class}}, never a traceback.
-In front of every route (retrograd.http_guard.Guard): with an API key, 401 without
+In front of every route (retrograd.runtime.http_guard.Guard): with an API key, 401 without
 `Authorization: Bearer KEY`; 413 for a /generate body over 16 MiB or an /adapter body over
 what a LoRA of `max_adapter_rank` on every matrix of the model would take.
 """
@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException
 
 from retrograd.errors import RetrogradError
 from retrograd.gguf.adapter import LoRAWeights
-from retrograd.http_guard import Guard
+from retrograd.runtime.http_guard import Guard
 from retrograd.sampler import GroupRequest, Sampler, Sampling
 from retrograd.sampler.remote import ADAPTER_HEADER_SIZE, ADAPTER_MAGIC, completion_json, error_json, model_identity
 

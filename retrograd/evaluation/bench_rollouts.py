@@ -28,7 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from retrograd.bench import (
+from retrograd.config import Config
+from retrograd.data import completion_seed, load_prompts
+from retrograd.errors import ConfigError, DataError
+from retrograd.evaluation.common import (
     BenchOptions,
     ItemRow,
     Row,
@@ -37,16 +40,13 @@ from retrograd.bench import (
     percent_change,
     resolve_adapter,
 )
-from retrograd.bundled import default_model_path
-from retrograd.config import Config
-from retrograd.data import completion_seed, load_prompts
-from retrograd.errors import ConfigError, DataError
 from retrograd.gguf.adapter import AdapterFile, read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.recipes import agent_grpo, grpo
 from retrograd.recipes.common import open_chat
 from retrograd.rollouts.agent import AgentRollouts, Request, Trajectory, trajectory_reward
 from retrograd.rollouts.rewards import make_reward
+from retrograd.runtime.bundled import default_model_path
 from retrograd.sampler import GroupRequest, Sampler, Sampling
 from retrograd.training.report import Reporter
 from retrograd.training.timeline import PhaseClock

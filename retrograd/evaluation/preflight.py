@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from retrograd.device import describe
 from retrograd.kernels.chunked_logprobs import token_logprobs
-from retrograd.llamacpp import C
-from retrograd.lora import attach_lora
-from retrograd.memory import PeakMemory, activation_bytes
+from retrograd.model.activation_memory import activation_bytes
 from retrograd.model.base import load_model
+from retrograd.model.lora import attach_lora
+from retrograd.runtime.device import describe, off_device
+from retrograd.runtime.memory import PeakMemory
 from retrograd.sampler import Placement
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog while the farmer counts his sheep by the river. "
@@ -64,15 +64,6 @@ class PreflightReport:
         out.append(f"probe peak     {self.probe_peak / 2**20:.1f} MiB {self.probe_peak_kind}")
         out.append(f"status: {'ok' if self.ok else 'failed (the probe loss is not finite)'}")
         return out
-
-
-def off_device(device: torch.device, *, sampling: bool) -> list[str]:
-    """What would fall back to the CPU when training on a GPU: preflight's report, and
-    training.require_gpu_resident's check at the start of a run (`sampling`: the run
-    generates rollouts with llama.cpp). Nothing when the device is the CPU itself."""
-    if device.type != "cpu" and sampling and not C.llama_supports_gpu_offload():
-        return ["rollout generation (this llama-cpp-python build has no GPU backend: llama.cpp samples on the CPU)"]
-    return []
 
 
 def run_preflight(

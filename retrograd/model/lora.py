@@ -19,8 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from retrograd.errors import ConfigError
+from retrograd.model.layers import FrozenLinear
 from retrograd.model.moe import FrozenExperts
-from retrograd.model.transformer import FrozenLinear, Transformer
+from retrograd.model.transformer import Transformer
 
 # config alias -> GGUF tensor family (blk.N.<family>.weight)
 TARGET_ALIASES = {

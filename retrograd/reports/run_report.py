@@ -458,7 +458,7 @@ class RunReport:
 
     def write(self, out: Path | None = None) -> Path:
         """Write the page (to a temporary file, then renamed: a reader never sees half of it)."""
-        from retrograd.run_report_page import render
+        from retrograd.reports.page import render
 
         files = self.files
         records, bad_metrics = read_metrics(files.metrics)

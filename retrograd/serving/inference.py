@@ -39,8 +39,8 @@ from retrograd.data import ChatFormat, resolve_chat_template
 from retrograd.errors import DataError, GGUFError
 from retrograd.gguf.adapter import read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
-from retrograd.llamacpp import C
 from retrograd.model.tokenizer import Tokenizer
+from retrograd.runtime.llamacpp import C
 from retrograd.sampler.engine import Engine, Feed
 from retrograd.sampler.sampler import PREFILL_CHUNK
 from retrograd.sampler.sampling import Sampling, sample_token
