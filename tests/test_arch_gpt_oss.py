@@ -17,7 +17,7 @@ from test_memory_estimate import saved_for_backward
 
 import retrograd
 from retrograd.errors import GGUFError
-from retrograd.model import transformer as tf
+from retrograd.model import layers, transformer as tf
 from retrograd.model.activation_memory import activation_bytes
 from retrograd.model.capabilities import inspect_model
 from retrograd.model.lora import attach_lora
@@ -63,7 +63,7 @@ def test_every_feature_binds_within_the_parity_length(tiny_model, ordinary_text,
         assert moved() > 1e-4, module.weight.name
         module.bias = bias
     with monkeypatch.context() as patch:
-        patch.setattr(tf, "SWIGLU_OAI_LIMIT", float("inf"))
+        patch.setattr(layers, "SWIGLU_OAI_LIMIT", float("inf"))
         assert moved() > 1e-4, "clamp"
     assert moved() == 0.0  # everything restored
     t.blocks[0].sliding = False  # layer 0 attends to everything before it
@@ -100,7 +100,7 @@ def test_clamped_swiglu_backward_matches_autograd():
     assert (gate > 7).any() and (up.abs() > 7).any()
     ours = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
     ref = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
-    out = tf.GatedProduct.apply(*ours, "swiglu_oai", torch.float32)
+    out = layers.GatedProduct.apply(*ours, "swiglu_oai", torch.float32)
     g = ref[0].clamp(max=7.0)
     expected = g / (1 + torch.exp(-1.702 * g)) * (ref[1].clamp(-7.0, 7.0) + 1)
     assert torch.allclose(out, expected, atol=1e-5)
