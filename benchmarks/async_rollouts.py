@@ -27,7 +27,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import retrograd  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 from retrograd.reports.profile import timeline_summary
 from retrograd.runtime.device import cpu_name
 

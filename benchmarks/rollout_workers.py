@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import retrograd  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 from retrograd.gguf.adapter import read_adapter
 from retrograd.runtime.bundled import default_model_path
 from retrograd.runtime.device import cpu_name

@@ -92,6 +92,7 @@ class TrainingSection:
     micro_batch: int = key(32, ge=1)
     gradient_accumulation: int = key(1, ge=1)
     threads: int | None = key(None, ge=1)
+    threads_follow_load: bool = key(True)  # fewer torch threads while other programs busy the cores (runtime/cpu_share.py)
     compute_dtype: str = key("auto", choices=("auto", "f32", "bf16"))
     gradient_checkpointing: bool = key(False)
     checkpoint_every_n_layers: int = key(4, ge=1)

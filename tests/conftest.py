@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import retrograd  # noqa: F401  (before torch: sets OMP_WAIT_POLICY before torch loads its OpenMP runtime)
-
-# isort: split
 import browser
 import pytest
 import sandboxes

@@ -68,3 +68,19 @@ def test_frozen_linear_gradient_matches_dense_weight():
     torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
     ids = torch.tensor([[3, 0], [47, 3]])
     torch.testing.assert_close(w.rows(ids, torch.float32), dense[ids], rtol=0, atol=0)
+
+
+def test_loading_dense_weights_compiles_nothing(smollm2, monkeypatch):
+    """`auto` and the dense weight modes dequantize each matrix once, at load, with the eager
+    codecs: a torch.compile there cost a fresh install 10 s of its first model load."""
+    import retrograd
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile called while loading")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    monkeypatch.setattr("retrograd.kernels.dequant._compiled", {})
+    for weights in ("auto", "f32"):
+        model = retrograd.load_model(smollm2, weights=weights)
+        assert model.weights_choice.startswith(("auto: dense", "f32"))
+        model.transformer(torch.arange(8))  # the embedding's rows come from its blocks, eagerly too

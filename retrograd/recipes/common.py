@@ -26,6 +26,7 @@ from retrograd.model.base import BaseModel, load_model
 from retrograd.model.lora import Adapter, attach_lora
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.runtime.bundled import default_model_path
+from retrograd.runtime.cpu_share import CpuShare
 from retrograd.runtime.device import off_device, resolve_device
 from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import Sampler, SamplerOptions
@@ -34,7 +35,7 @@ from retrograd.training.distributed import rank_device
 from retrograd.training.report import Reporter
 
 # settings that never change what is computed, left out of the resume signature
-UNSIGNED_TRAINING_KEYS = ("threads", "generation_threads", "max_gpu_duty_cycle", "require_gpu_resident")
+UNSIGNED_TRAINING_KEYS = ("threads", "threads_follow_load", "generation_threads", "max_gpu_duty_cycle", "require_gpu_resident")
 SAME_NUMBERS = {"auto": "quantized"}  # weight modes that compute the same bits sign alike
 
 
@@ -57,6 +58,7 @@ class Setup:
     chat: ChatFormat
     precision: str  # resolved compute dtype name
     timings: dict = field(default_factory=dict)  # start-up phase -> (seconds, Δ host RSS bytes)
+    cpu: CpuShare = field(default_factory=lambda: CpuShare(torch.get_num_threads(), adaptive=False))
     detail: Callable[[str], None] = field(default=lambda text: None)  # run.verbose's lines; reporter.message when on
     message: Callable[[str], None] = field(default=lambda text: None)  # lines the run always shows (reporter.message)
 
@@ -133,6 +135,7 @@ class Base:
     model: BaseModel
     precision: str  # resolved compute dtype name
     timings: dict  # start-up phase -> (seconds, Δ host RSS bytes)
+    cpu: CpuShare  # torch's threads, following the machine's load
 
 
 def load_base(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Base:
@@ -158,7 +161,8 @@ def load_base(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Base:
     reporter.message(f"weights: {model.weights_choice}")
     for note in model.notes:
         reporter.message(f"note: {note}")
-    return Base(device, model, precision, timings)
+    cpu = CpuShare(torch.get_num_threads(), adaptive=t.threads_follow_load and device.type == "cpu")
+    return Base(device, model, precision, timings, cpu)
 
 
 def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
@@ -175,7 +179,7 @@ def prepare(cfg: Config, reporter: Reporter, chat: ChatFormat) -> Setup:
     if cfg.lora.init_adapter is not None:
         load_adapter_weights(adapter, cfg.lora.init_adapter)
     timings = base.timings | {"LoRA creation": (time.perf_counter() - t0, rss_bytes() - r0)}
-    setup = Setup(cfg, base.device, model, adapter, chat, base.precision, timings, message=reporter.message)
+    setup = Setup(cfg, base.device, model, adapter, chat, base.precision, timings, base.cpu, message=reporter.message)
     if cfg.run.verbose:
         setup.detail = reporter.message
     return setup

@@ -106,6 +106,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             for k in range(progress["step_in_epoch"], len(steps)):
                 step = progress["global_step"]
                 lr = schedule.apply(optimizer, step)
+                threads = setup.cpu.adjust()
                 t0 = time.perf_counter()
                 micro_batches = [[examples[i] for i in mb] for mb in steps[k]]
                 n_trained = sum(e.n_trained for mb in micro_batches for e in mb)
@@ -142,7 +143,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 metrics.log(step + 1, {
                     "train/loss": step_loss, "train/lr": lr, "train/tokens_per_second": tps,
                     "train/grad_norm": grad_norm, "train/epoch": epoch + 1, "system/rss_bytes": rss_bytes(),
-                    "timing/step_seconds": elapsed,
+                    "timing/step_seconds": elapsed, "system/threads": threads,
                 } | all_reduce)
                 reporter.advance(step + 1, f"loss={step_loss:.4f} lr={lr:.2e} tok/s={tps:.0f}")
                 if (step + 1) % row_every == 0 or step + 1 == total_steps:

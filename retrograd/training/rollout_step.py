@@ -116,6 +116,7 @@ class PolicyOptimizer:
         merged |= logprob_mismatch(torch.cat([s.sampler_logprobs for s in samples]), torch.cat(before)) | {
             "optimizer/learning_rate": self.optimizer.param_groups[0]["lr"],
             "batch/trained_tokens": float(sum(s.n_scored for s in samples)),
+            "system/threads": float(self.setup.cpu.threads),
         }
         kl = merged.get("policy/kl", 0.0)
         if kl > KL_DIVERGENCE_LIMIT or not math.isfinite(kl):
@@ -128,6 +129,7 @@ class PolicyOptimizer:
     def _score(self, rollouts, timing: PhaseClock, phase: str) -> list[torch.Tensor]:
         """Log-probs without gradients; under torchrun each rank scores its share."""
         mine = self.ranks.share(rollouts)
+        self.setup.cpu.adjust()
         with timing.phase(phase), self.duty.burst():
             scored = rollout_logprobs(self.setup.model.transformer, [rollouts[i] for i in mine], self.options,
                                       self.micro_batch, self.setup.device)
@@ -142,6 +144,7 @@ class PolicyOptimizer:
         unknown is in the update's first step: this forward is the policy as it sampled, so
         it fills them in (and `ref`'s, when that is the same list)."""
         lr = self.schedule.apply(self.optimizer, self.global_step, self.total_steps)
+        self.setup.cpu.adjust()
         counts = MinibatchCounts(len(idx), sum(samples[i].n_scored for i in idx), budget_tokens)
         parts = []
         rollouts = [samples[i].rollout for i in idx]
