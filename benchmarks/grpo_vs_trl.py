@@ -51,6 +51,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sized_models import bench_model, use_model
+
 TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
 SIDES = ("trl", "trl-nogc", "ours-auto", "ours-f32", "decode")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -117,6 +119,9 @@ def write_config(folder: Path, compute_dtype: str, duty_cycle: float = 1.0) -> P
     config.write_text(f"""
 [run]
 algorithm = "grpo"
+
+[model]
+path = "{bench_model()}"
 
 [output]
 path = "{folder / 'out' / 'adapter.gguf'}"
@@ -220,7 +225,8 @@ def run_decode(repeats: int = 5) -> dict:
     sampling = Sampling(WORK.max_new_tokens, temperature=1.0, top_p=1.0)
     g = WORK.group_size
     requests = [GroupRequest(p.ids, list(range(i * g, (i + 1) * g)), sampling) for i, p in enumerate(prompts)]
-    result = bench.compare(None, requests, options, bench.trained_adapter(None, WORK.rank), repeats)
+    model = bench_model()
+    result = bench.compare(model, requests, options, bench.trained_adapter(model, WORK.rank), repeats)
     return result | {"options": asdict(options), "repeats": repeats}
 
 
@@ -235,7 +241,6 @@ def run_trl(gradient_checkpointing: bool) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from retrograd.runtime.bundled import default_model_path
     from retrograd.runtime.memory import rss_bytes
 
     spent: dict[str, float] = {}
@@ -273,7 +278,7 @@ def run_trl(gradient_checkpointing: bool) -> dict:
                 self.logs.append(dict(logs))
 
     torch.set_num_threads(WORK.threads)
-    path = default_model_path()
+    path = bench_model()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     dequantized = GgufConfig(dequantize=True)  # a plain float32 model: transformers trains no GGUF-quantized one
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, quantization_config=dequantized)
@@ -481,8 +486,10 @@ def main() -> None:
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
     ap.add_argument("--duty-cycle", type=float, default=1.0, help="training.max_gpu_duty_cycle of our TOML (a GPU knob)")
     ap.add_argument("--write-config", type=Path, metavar="DIR", help="write our TOML (auto dtype) and its prompts into DIR, and stop")
+    ap.add_argument("--model", type=Path, help="the base GGUF (default: the bundled SmolLM2-135M; benchmarks/sized_models.py writes 0.5B and 1.5B ones)")
     ap.add_argument("--_child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    use_model(args.model, "grpo_vs_trl")
     if args._child:
         print(json.dumps(CHILDREN[args._child](args.duty_cycle)))
         return

@@ -3,8 +3,9 @@
     python benchmarks/sft_vs_trl.py                      # TRL, ours f32, bf16, bf16 + checkpointing (~6 min on 2 cores)
     python benchmarks/sft_vs_trl.py --sides ours-bf16    # a subset; TRL is not needed without "trl"
     python benchmarks/sft_vs_trl.py --profile bf16       # torch.profiler over our first 4 steps, in this process
+    python benchmarks/sft_vs_trl.py --model M.gguf       # another base (benchmarks/sized_models.py writes 0.5B/1.5B ones)
 
-Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1; 160 chat rows, row i user
+Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1 (or --model); 160 chat rows, row i user
 "What is A + B?" and assistant "A+B" with A, B drawn by random.Random(0); loss on the
 assistant tokens only; LoRA rank 8, alpha 16 on q, k, v, o, gate, up, down; step k trains
 rows 8k..8k+7 in order, 20 steps; AdamW lr 1e-4 constant, no weight decay, gradient clip 1.0;
@@ -49,6 +50,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from sized_models import bench_model, use_model
 
 TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
 SIDES = ("trl", "ours-f32", "ours-bf16", "ours-bf16-gc")
@@ -104,6 +107,9 @@ def write_run(folder: Path, dtype: str, *, checkpointing: bool = False, micro_ba
     config.write_text(f"""
 [run]
 algorithm = "sft"
+
+[model]
+path = "{bench_model()}"
 
 [output]
 path = "{folder / 'out' / 'adapter.gguf'}"
@@ -210,7 +216,6 @@ def run_trl() -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from retrograd.runtime.bundled import default_model_path
     from retrograd.runtime.memory import rss_bytes
 
     class StepClock(TrainerCallback):
@@ -230,7 +235,7 @@ def run_trl() -> dict:
                 self.tokens.append(int(logs["num_tokens"]))
 
     torch.set_num_threads(WORK.threads)
-    path = default_model_path()
+    path = bench_model()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     # dequantize=True: a plain float32 model (transformers refuses to train one still marked GGUF-quantized)
     dequantized = GgufConfig(dequantize=True)
@@ -332,9 +337,8 @@ def matmul_probe() -> dict[str, float]:
 def model_dims() -> dict[str, int]:
     from retrograd.gguf.file import GGUFFile
     from retrograd.gguf.spec import read_spec
-    from retrograd.runtime.bundled import default_model_path
 
-    s = read_spec(GGUFFile(default_model_path()))
+    s = read_spec(GGUFFile(bench_model()))
     E, F, H, K, D, Dv = s.n_embd, s.n_ff, s.n_head, s.n_head_kv, s.head_dim, s.head_dim_v
     shapes = [(E, H * D), (E, K * D), (E, K * Dv), (H * Dv, E), (E, F), (E, F), (F, E)]  # (in, out): q k v o gate up down
     return {
@@ -387,7 +391,6 @@ def summarize(side: str, r: dict, dims: dict[str, int]) -> dict:
 def compare_masks(ours: dict, trl: dict) -> list[str]:
     """Lines saying whether both sides read the same ids and train the same positions."""
     from retrograd.model.tokenizer import Tokenizer
-    from retrograd.runtime.bundled import default_model_path
 
     lines = []
     same_ids = ours["ids"] == trl["ids"]
@@ -405,7 +408,7 @@ def compare_masks(ours: dict, trl: dict) -> list[str]:
                 only_trl[token] = only_trl.get(token, 0) + 1
             if a and not b:
                 only_ours[token] = only_ours.get(token, 0) + 1
-    decode = Tokenizer(default_model_path()).decode
+    decode = Tokenizer(bench_model()).decode
     for who, extra in (("TRL", only_trl), ("ours", only_ours)):
         for token, count in sorted(extra.items()):
             lines.append(f"  only {who} trains token {token} ({decode([token])!r}) on {count} rows")
@@ -453,8 +456,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
     ap.add_argument("--profile", choices=("f32", "bf16"), help="profile our first 4 steps in this process and stop")
+    ap.add_argument("--model", type=Path, help="the base GGUF (default: the bundled SmolLM2-135M; benchmarks/sized_models.py writes 0.5B and 1.5B ones)")
     ap.add_argument("--_child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    use_model(args.model, "sft_vs_trl")
     if args._child:
         print(json.dumps(CHILDREN[args._child]()))
         return
@@ -474,7 +479,7 @@ def main() -> None:
 
     from retrograd.runtime.device import cpu_name, describe, resolve_device
 
-    print(f"workload: {asdict(WORK)}; load average at start {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    print(f"workload: {asdict(WORK)}; model {bench_model().name}; load average at start {os.getloadavg()[0]:.2f}", file=sys.stderr)
     on_gpu = torch.cuda.is_available()  # then our runs train there (device auto) and a CPU probe says nothing
     probe = None if on_gpu else matmul_probe()
     raw = {}
