@@ -3,8 +3,10 @@
     python benchmarks/grpo_vs_trl.py                        # every side (~4 min on 2 cores)
     python benchmarks/grpo_vs_trl.py --sides ours-auto,decode   # a subset; TRL is needed only for trl*
     python benchmarks/grpo_vs_trl.py --write-config DIR [--duty-cycle 0.5]   # only write our TOML (benchmarks/gpu_check.sh)
+    python benchmarks/grpo_vs_trl.py --model M.gguf --sides trl,ours-auto   # another base (benchmarks/sized_models.py)
 
-Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1; 16 prompts, row i user
+Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1 (or --model, when the reward also
+adds the share of ASCII letters in the completion: random weights never answer); 16 prompts, row i user
 "Calculate A + B. Reply with exactly one number." with A, B drawn by random.Random(0); update k
 samples 8 completions for each of prompts 2k and 2k+1 (temperature 1, top_p 1, at most 16 new
 tokens), rewards them with 1/(1+|first integer - (A+B)|) (0 without one, the function `reward`
@@ -51,7 +53,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sized_models import bench_model, use_model
+sys.path.insert(0, str(Path(__file__).parent))  # also when retrograd imports this file for its reward function
+from sized_models import MODEL_ENV, bench_model, use_model  # noqa: E402
 
 TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
 SIDES = ("trl", "trl-nogc", "ours-auto", "ours-f32", "decode")
@@ -91,12 +94,18 @@ WORK = Workload()
 
 def reward(prompts: list[str], completions: list[str]) -> list[float]:
     """1/(1+|first integer - (A+B)|), 0 without an integer: ours loads it as
-    reward_function = "<this file>:reward", TRL calls it through trl_reward."""
+    reward_function = "<this file>:reward", TRL calls it through trl_reward. With --model
+    (random weights, which hardly ever write an integer) the share of ASCII letters among the
+    completion's characters is added, so that a group's rewards differ and both sides train."""
     out = []
+    dense = bool(os.environ.get(MODEL_ENV))
     for prompt, completion in zip(prompts, completions):
         a, b = map(int, QUESTION.search(prompt).groups())
         answer = INTEGER.search(completion)
-        out.append(0.0 if answer is None else 1.0 / (1.0 + abs(int(answer.group()) - (a + b))))
+        value = 0.0 if answer is None else 1.0 / (1.0 + abs(int(answer.group()) - (a + b)))
+        if dense:
+            value += sum(ch.isascii() and ch.isalpha() for ch in completion) / max(1, len(completion))
+        out.append(value)
     return out
 
 
@@ -425,7 +434,7 @@ def print_table(results: dict[str, dict]) -> None:
         line = f"{label:<28}" + "".join(f"{'-' if v is None else fmt(v):>{width}}" for v in cells)
         for o, t in pairs:
             a, b = value(results[o]), value(results[t])
-            cell = "" if ratio is None or a is None or b is None else f"{b / a:.1f}x faster" if ratio == "speedup" else f"{a / b:.2f}x"
+            cell = "" if ratio is None or not a or b is None else f"{b / a:.1f}x faster" if ratio == "speedup" else f"{a / b:.2f}x"
             line += f"{cell:>{width + 4}}"
         print(line)
     print("(ours: 'train total' = forward + backward + step under the optimizer timer; update 1 samples without "
