@@ -26,7 +26,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from gguf import GGMLQuantizationType as QT, LlamaFileType
 
 from retrograd.gguf.file import GGUFFile
 from retrograd.runtime.bundled import default_model_path
@@ -52,7 +52,7 @@ SIZES = {
 }
 MODEL_ENV = "RETROGRAD_BENCH_MODEL"  # a benchmark's --model, passed on to its child processes
 TYPES = {"f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_k_m": None}
-LLAMA_FTYPE_MOSTLY_Q4_K_M = 15  # llama.h's llama_ftype
+FILE_TYPES = {QT.F16: LlamaFileType.MOSTLY_F16, QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0}
 
 
 def bench_model() -> Path:
@@ -78,7 +78,7 @@ def write_model(path: Path, shape: Shape, qtype: str = "q4_0", seed: int = 0, na
         if qtype == "q4_k_m":
             f16 = _write(Path(tmp) / "f16.gguf", shape, QT.F16, seed, name)
             staged = Path(tmp) / "model.gguf"
-            _llama_quantize(f16, staged, LLAMA_FTYPE_MOSTLY_Q4_K_M)
+            _llama_quantize(f16, staged, LlamaFileType.MOSTLY_Q4_K_M)
         else:
             staged = _write(Path(tmp) / "model.gguf", shape, TYPES[qtype], seed, name)
         os.replace(staged, path)
@@ -110,7 +110,7 @@ def _write(path: Path, s: Shape, qtype: QT, seed: int, name: str | None) -> Path
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(100000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(int(qtype) if qtype in (QT.F16, QT.Q8_0, QT.Q4_0) else 0)
+    w.add_file_type(FILE_TYPES[qtype])
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         values = rng.standard_normal((rows, cols), dtype=np.float32) / np.float32(np.sqrt(cols))
@@ -140,12 +140,12 @@ def _write(path: Path, s: Shape, qtype: QT, seed: int, name: str | None) -> Path
     return path
 
 
-def _llama_quantize(src: Path, dst: Path, ftype: int) -> None:
+def _llama_quantize(src: Path, dst: Path, ftype: LlamaFileType) -> None:
     """llama.cpp's own quantizer (llama_model_quantize), on the CPU's cores."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
+    params.ftype = int(ftype)
     params.nthread = os.cpu_count() or 1
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama_model_quantize failed on {src}")

@@ -42,6 +42,7 @@ def stranger() -> int:
     return int(out.stdout)
 
 
+@pytest.mark.skipif(usable_cores() < 2, reason="one core: there is no thread to give up")
 def test_a_busy_process_beside_the_run_takes_a_thread_and_gives_it_back(restore_threads):
     cores = usable_cores()
     torch.set_num_threads(cores)
@@ -79,9 +80,11 @@ def test_not_adaptive_never_touches_the_threads(restore_threads):
     assert share.adjust() == 2 and not share.active and torch.get_num_threads() == 2
 
 
-def test_one_or_two_threads_give_the_same_bits(smollm2, restore_threads):
+def test_one_or_two_threads_give_the_same_numbers(smollm2, restore_threads):
     """The thread count may change between steps: the forward and the LoRA gradients of a
-    scored micro-batch are bitwise the same on one thread and on two."""
+    scored micro-batch on one thread and on two differ at most by float32 summation order
+    (a BLAS may split a reduction across threads; on the AMD EPYC of issue 24 they were
+    bitwise equal). Bound: 1e-5 of each tensor's largest value, ~100 float32 roundings."""
     model = retrograd.load_model(smollm2, weights="auto")
     adapter = attach_lora(model.transformer, ["auto"], 8, 16.0, 0)
     generator = torch.Generator().manual_seed(1)
@@ -100,4 +103,5 @@ def test_one_or_two_threads_give_the_same_bits(smollm2, restore_threads):
         results.append((torch.cat([x.flatten() for x in logps]), torch.cat([p.grad.flatten() for p in adapter.parameters()])))
     (logp1, grad1), (logp2, grad2) = results
     assert grad1.abs().max() > 0
-    assert torch.equal(logp1, logp2) and torch.equal(grad1, grad2)
+    assert (logp1 - logp2).abs().max() <= 1e-5 * logp1.abs().max()
+    assert (grad1 - grad2).abs().max() <= 1e-5 * grad1.abs().max()

@@ -8,8 +8,9 @@ ruinous: one of our threads waits, spinning or asleep, for the other one to be s
 again (3x slower per training step than one thread). So before each optimizer step (and
 scoring pass) the trainer measures how many cores other processes used since the last look
 and keeps torch to the cores left: on 2 cores beside one busy program, one thread, which
-never waits for anyone. The count only changes at step boundaries; on our CPUs it does not
-change the numbers (the kernels split work, not sums, across threads: tests compare).
+never waits for anyone. The count only changes at step boundaries. It can change a result
+only by float32 summation order (on the AMD EPYC we test, not at all: a test compares); a
+run that must repeat bit for bit on a busy machine sets `threads_follow_load = false`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class CpuShare:
         """(wall, machine busy CPU seconds, CPU seconds of this process and of each of its
         descendants: reward programs and local workers are this run's own work)."""
         machine = psutil.cpu_times()
-        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+        busy = machine.user + machine.nice + machine.system + getattr(machine, "irq", 0.0) + getattr(machine, "softirq", 0.0)
         own = {}
         for p in (self._process, *self._process.children(recursive=True)):
             try:
@@ -51,12 +52,10 @@ class CpuShare:
 
     def adjust(self) -> int:
         """Look at the load since the last look (at most every MIN_INTERVAL s) and set the threads."""
-        if not self.active:
+        if not self.active or self._clock() - self._last[0] < MIN_INTERVAL:
             return self.threads
         now = self._sample()
         wall = now[0] - self._last[0]
-        if wall < MIN_INTERVAL:
-            return self.threads
         ours = sum(seconds - self._last[2].get(pid, 0.0) for pid, seconds in now[2].items())
         self.others = max(0.0, (now[1] - self._last[1]) - ours) / wall
         self._last = now
