@@ -1,7 +1,7 @@
 """Llama-shaped GGUF models of the sizes people fine-tune, with random weights and SmolLM2's
 tokenizer, for benchmarks (and tests) where only 135M and 270M real models exist offline.
 
-    python benchmarks/sized_models.py --size 0.5b --type q4_0 --out /tmp/models   # ~1 min
+    python benchmarks/sized_models.py --size 0.5b --type q4_0 --out /tmp/models   # ~10 s
     python benchmarks/sized_models.py --size 1.5b --type q4_k_m --out /tmp/models
 
 Shapes (Qwen2.5's widths; SmolLM2's 49,152-token vocabulary, tied embeddings):
