@@ -17,6 +17,7 @@ copy alive.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from retrograd.kernels.dequant import CODECS, dequantize
 # Dense copies (kept for a run or for a scope) may take at most this share of the memory that
 # is free when they are made: host RAM as psutil's `available`, or the GPU's free memory.
 DENSE_BUDGET_FRACTION = 0.5
+HOST_MEMORY_ENV = "RETROGRAD_HOST_MEMORY"
 
 
 class FrozenWeight:
@@ -134,11 +136,12 @@ class Budget:
 
 def dense_budget(device: torch.device) -> Budget:
     """Free memory: psutil's `available` host RAM (what can be allocated without swapping),
-    or the GPU's free memory."""
+    at most $RETROGRAD_HOST_MEMORY bytes when set (`preflight --memory` sets it for its
+    probes, so they choose as a run on that smaller machine would), or the GPU's free memory."""
     if device.type == "cuda":
         free, where = torch.cuda.mem_get_info(device)[0], "GPU memory"
     else:
-        free, where = psutil.virtual_memory().available, "RAM"
+        free, where = min(psutil.virtual_memory().available, int(os.environ.get(HOST_MEMORY_ENV, 2**62))), "RAM"
     return Budget(int(DENSE_BUDGET_FRACTION * free), free, where)
 
 

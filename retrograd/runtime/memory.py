@@ -48,3 +48,20 @@ class PeakMemory:
     @property
     def rss_increase(self) -> int:
         return self.peak_rss - self.baseline
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """RSS of process `pid` and all its descendants (reward programs, rollout workers):
+    0 once it has exited."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in processes:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total

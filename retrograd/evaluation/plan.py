@@ -1,0 +1,388 @@
+"""`retrograd preflight RUN.toml`: will this run fit in memory, and how long will a step take?
+
+Each answer is measured, not computed: a probe runs the run's own recipe in a child process,
+with the file's model, ctx, micro-batch, LoRA, dtypes and rollout shapes, for a few steps
+(updates, for rollout algorithms) and without evaluation, checkpoints or the real output. The
+parent samples the child's memory (its process tree's RSS) and stops it the moment it passes
+the budget: a run that does not fit is never allowed to exhaust the machine. The peak of the
+probe is the predicted peak; the mean time of the steps after the first is the predicted time
+per step.
+
+When the run does not fit, the planner climbs down the tuning guide's ladder, each rung from
+the file as written: a smaller training.micro_batch (SFT raises gradient_accumulation to keep
+the step's size), a lower training.generation_concurrency (rollout algorithms), gradient
+checkpointing with bf16 checkpoints; then all three together. It probes a rung's candidates
+from the least to the most invasive and names the first that fits, with its measured numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from retrograd.config import Config
+from retrograd.kernels.frozen import HOST_MEMORY_ENV
+from retrograd.runtime.memory import tree_rss_bytes
+
+PROBE_UNITS = {"steps": 4, "updates": 2}  # the first of each is warm-up and not timed
+MIN_MICRO_BATCH = 16
+WATCH_INTERVAL = 0.02
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one probe measured. `fits` is False when it passed the budget (it was stopped)."""
+
+    label: str  # "as configured" or "rung N"
+    rung: str  # what the rung lowers ("" as configured)
+    changes: tuple[tuple[str, object], ...]  # (TOML key, value) against the file as written
+    fits: bool
+    peak_bytes: int  # host RSS of the probe's process tree, sampled every 20 ms
+    setup_bytes: int  # the same when the first step began (model, adapter, sampler loaded)
+    load_seconds: float
+    step_seconds: tuple[float, ...]  # every step (update) the probe ran
+    unit: str  # "steps" or "updates"
+    total_units: int  # in the full run
+    weights: str
+    stopped_at: str = ""  # where a probe over budget was stopped
+
+    @property
+    def seconds_per_unit(self) -> float | None:
+        """Mean of the steps after the first (the first pays one-off warm-up)."""
+        timed = self.step_seconds[1:] or self.step_seconds
+        return statistics.fmean(timed) if timed else None
+
+
+class ProbeFailed(Exception):
+    """The probe's run stopped with an error of its own (bad data, a diverged loss, ...)."""
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+class _ProbeDone(Exception):
+    pass
+
+
+class _ProbeReporter:
+    """The recipe's reporter in the child: sends each event to the parent as a JSON line and
+    ends the run after `units` steps."""
+
+    def __init__(self, out, units: int | None):
+        self.out, self.units, self.base, self.unit = out, units, None, ""
+
+    def _send(self, **event) -> None:
+        self.out.write(json.dumps(event) + "\n")
+        self.out.flush()
+
+    def message(self, text: str) -> None:
+        self._send(kind="message", text=text)
+
+    def start(self, total: int, columns: list[str], unit: str) -> None:
+        self.base, self.unit = None, unit
+        self._send(kind="start", total=total, unit=unit)
+
+    def row(self, values: dict) -> None:
+        pass
+
+    def advance(self, done: int, status: str) -> None:
+        if self.unit not in PROBE_UNITS:  # a table before training (offline distillation's teacher pass)
+            return
+        if self.base is None:  # the first call reports where the run starts
+            self.base = done
+            return
+        self._send(kind="step", done=done)
+        if done - self.base >= (self.units or PROBE_UNITS[self.unit]):
+            raise _ProbeDone
+
+    def finish(self) -> None:
+        pass
+
+    def checkpoint(self, path: Path) -> None:
+        pass
+
+
+def _child(config_file: str, units: int | None, events_fd: int) -> None:
+    from retrograd.errors import RetrogradError
+    from retrograd.recipes import RECIPES
+
+    cfg = pickle.loads(Path(config_file).read_bytes())
+    out = os.fdopen(events_fd, "w")
+    reporter = _ProbeReporter(out, units)
+    try:
+        RECIPES[cfg.run.algorithm](cfg, reporter)
+    except _ProbeDone:
+        pass
+    except RetrogradError as e:
+        reporter._send(kind="error", text=str(e))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, traceback in the log
+        import traceback
+
+        traceback.print_exc()
+        reporter._send(kind="error", text=f"{type(e).__name__}: {e}")
+    reporter._send(kind="end")
+    out.close()
+    os._exit(0)  # no waiting on the sampler's or the loaders' threads
+
+
+# ----------------------------------------------------------------------------- the parent
+
+
+def probe_config(cfg: Config, scratch: Path) -> Config:
+    """The run as written, writing nothing but scratch files: no evaluation, checkpoints,
+    observation or TensorBoard."""
+    return dataclasses.replace(
+        cfg,
+        output=dataclasses.replace(cfg.output, path=scratch / "probe.gguf"),
+        evaluation=None,
+        checkpoint=None,
+        observe=None,
+        metrics=dataclasses.replace(cfg.metrics, tensorboard_dir=None),
+    )
+
+
+def run_probe(cfg: Config, budget: int, *, units: int | None = None, label: str = "as configured", rung: str = "",
+              changes: tuple = (), on_event=None, timeout: float = 3600.0) -> Probe:
+    """Run the recipe of `cfg` for `units` steps in a child process, stopping it past `budget`
+    bytes of host memory."""
+    with tempfile.TemporaryDirectory(prefix="retrograd-preflight-") as scratch:
+        scratch = Path(scratch)
+        (scratch / "config.pickle").write_bytes(pickle.dumps(probe_config(cfg, scratch)))
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        log_path = scratch / "probe.log"
+        with open(log_path, "wb") as log:
+            child = subprocess.Popen(
+                [sys.executable, "-c", f"from retrograd.evaluation.plan import _child; _child({str(scratch / 'config.pickle')!r}, {units}, {write_fd})"],
+                pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=os.environ | {"PYTHONWARNINGS": "ignore", HOST_MEMORY_ENV: str(budget)},
+            )
+        os.close(write_fd)
+        watcher = _Watcher(child, budget)
+        try:
+            return watcher.follow(read_fd, (label, rung, changes), on_event, timeout, log_path)
+        finally:
+            os.close(read_fd)
+            if child.poll() is None:
+                _kill_tree(child.pid)
+            child.wait()
+
+
+class _Watcher:
+    def __init__(self, child: subprocess.Popen, budget: int):
+        self.child, self.budget = child, budget
+        self.started = time.monotonic()
+        self.peak = self.setup = 0
+        self.load_seconds = 0.0
+        self.step_ends: list[float] = []
+        self.total, self.unit, self.weights, self.where = 0, "steps", "", "loading the model"
+
+    def follow(self, fd: int, names: tuple, on_event, timeout: float, log_path: Path) -> Probe:
+        buffer = b""
+        ended, error = False, None
+        while not ended:
+            rss = tree_rss_bytes(self.child.pid)
+            self.peak = max(self.peak, rss)
+            if rss > self.budget:
+                _kill_tree(self.child.pid)
+                return self._probe(names, fits=False)
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                chunk = None
+            if chunk == b"" and self.child.poll() is not None:
+                break
+            buffer += chunk or b""
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                event = json.loads(line)
+                ended |= event["kind"] == "end"
+                error = event["text"] if event["kind"] == "error" else error
+                self._note(event, rss)
+                if on_event:
+                    on_event(event)
+            if time.monotonic() - self.started > timeout:
+                raise ProbeFailed(f"the probe took over {timeout:.0f} s")
+            if not chunk:
+                time.sleep(WATCH_INTERVAL)
+        if error is not None or not ended:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
+            raise ProbeFailed(error or f"the probe ended without a result ({tail[0] if tail else 'no output'})")
+        return self._probe(names, fits=True)
+
+    def _note(self, event: dict, rss: int) -> None:
+        now = time.monotonic()
+        if event["kind"] == "message" and event["text"].startswith("weights: "):
+            self.weights = event["text"].removeprefix("weights: ")
+        elif event["kind"] == "start" and event["unit"] in PROBE_UNITS:
+            self.total, self.unit = event["total"], event["unit"]
+            self.setup, self.load_seconds = rss, now - self.started
+            self.step_ends = [now]
+            self.where = f"{self.unit[:-1]} 1"
+        elif event["kind"] == "step":
+            self.step_ends.append(now)
+            self.where = f"{self.unit[:-1]} {len(self.step_ends)}"
+
+    def _probe(self, names: tuple, *, fits: bool) -> Probe:
+        ends = self.step_ends
+        label, rung, changes = names
+        return Probe(
+            label=label, rung=rung, changes=changes, fits=fits, peak_bytes=self.peak, setup_bytes=self.setup,
+            load_seconds=self.load_seconds, step_seconds=tuple(b - a for a, b in zip(ends, ends[1:])),
+            unit=self.unit, total_units=self.total, weights=self.weights, stopped_at="" if fits else self.where,
+        )
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        parent = psutil.Process(pid)
+        for p in [*parent.children(recursive=True), parent]:
+            p.kill()
+    except psutil.NoSuchProcess:
+        pass
+
+
+# ----------------------------------------------------------------------------- the ladder
+
+
+def rungs(cfg: Config) -> list[tuple[str, list[tuple[tuple[str, object], ...]]]]:
+    """The tuning guide's ladder for this run: (rung, candidates from the least to the most
+    invasive), each candidate the keys it changes; rungs with no candidate left out."""
+    t = cfg.training
+    sft_like = cfg.run.algorithm == "sft"
+    smaller = []
+    mb, accumulation = t.micro_batch, t.gradient_accumulation
+    while mb // 2 >= MIN_MICRO_BATCH:
+        mb, accumulation = mb // 2, accumulation * 2
+        smaller.append((("training.micro_batch", mb),) + ((("training.gradient_accumulation", accumulation),) if sft_like else ()))
+    ladder = [("a smaller micro_batch", smaller)]
+    concurrency = generation_concurrency(cfg)
+    if concurrency is not None:
+        fewer = []
+        while concurrency > 1:
+            concurrency //= 2
+            fewer.append((("training.generation_concurrency", concurrency),))
+        ladder.append(("a lower generation_concurrency", fewer))
+    if not t.gradient_checkpointing or t.checkpoint_dtype != "bf16":
+        ladder.append(("gradient checkpointing in bf16", [(("training.gradient_checkpointing", True), ("training.checkpoint_dtype", "bf16"))]))
+    floor = tuple(change for _, candidates in ladder if candidates for change in candidates[-1])
+    if len([c for _, c in ladder if c]) > 1:
+        ladder.append(("all of these together", [floor]))
+    return [(name, candidates) for name, candidates in ladder if candidates]
+
+
+def generation_concurrency(cfg: Config) -> int | None:
+    """The sequences llama.cpp decodes together in this run, or None when it samples nothing."""
+    from retrograd.recipes.common import rollout_sampler_options
+
+    per_update = {
+        "grpo": lambda: cfg.grpo.prompts_per_update * cfg.grpo.group_size,
+        "agent_grpo": lambda: cfg.agent.scenarios_per_update * cfg.agent.group_size,
+        "distill": lambda: cfg.distill.prompts_per_update * cfg.distill.samples_per_prompt if cfg.distill.mode == "on_policy" else None,
+    }.get(cfg.run.algorithm, lambda: None)()
+    return None if per_update is None else rollout_sampler_options(cfg, per_update).n_seq_max
+
+
+def with_changes(cfg: Config, changes: tuple[tuple[str, object], ...]) -> Config:
+    training = dataclasses.replace(cfg.training, **{key.split(".", 1)[1]: value for key, value in changes})
+    return dataclasses.replace(cfg, training=training)
+
+
+@dataclass(frozen=True)
+class Plan:
+    budget: int
+    configured: Probe
+    remedy: Probe | None  # the first rung's candidate that fits, when the file as written does not
+    tried: tuple[Probe, ...]  # every probe after the first, in order
+
+
+def plan(cfg: Config, budget: int, *, units: int | None = None, on_probe=None, on_event=None) -> Plan:
+    """Probe the run as written; when it does not fit, the ladder's first candidate that does."""
+    configured = run_probe(cfg, budget, units=units, on_event=on_event)
+    if on_probe:
+        on_probe(configured)
+    tried: list[Probe] = []
+    if configured.fits:
+        return Plan(budget, configured, None, ())
+    for number, (name, candidates) in enumerate(rungs(cfg), 1):
+        for changes in candidates:
+            probe = run_probe(with_changes(cfg, changes), budget, units=units, label=f"rung {number}", rung=name, changes=changes,
+                              on_event=on_event)
+            tried.append(probe)
+            if on_probe:
+                on_probe(probe)
+            if probe.fits:
+                return Plan(budget, configured, probe, tuple(tried))
+    return Plan(budget, configured, None, tuple(tried))
+
+
+def _toml(value) -> str:
+    return "true" if value is True else "false" if value is False else json.dumps(value)
+
+
+def default_budget() -> int:
+    """Host memory a run may use: what the system reports available."""
+    return psutil.virtual_memory().available
+
+
+def parse_size(text: str) -> int:
+    """'3GiB', '512MiB', '2.5G', '800M' -> bytes (binary units)."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    s = text.strip().lower().removesuffix("b").removesuffix("i")
+    if s and s[-1] in units:
+        number, scale = s[:-1], units[s[-1]]
+    else:
+        number, scale = s, 1
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r}: expected a size such as 3GiB or 512MiB") from None
+    if value <= 0:
+        raise ValueError(f"{text!r}: expected a size above zero")
+    return int(value * scale)
+
+
+def verdict(cfg: Config, result: Plan) -> list[str]:
+    """The plan's conclusion, as the command prints it after the probes' lines."""
+    if result.configured.fits:
+        return ["status: fits as configured"]
+    if result.remedy is None:
+        return ["status: does not fit, not even with every rung of the ladder; a smaller ctx or model, or more memory"]
+    out = [f"status: does not fit as configured; {result.remedy.label} of the ladder ({result.remedy.rung}) fits. In {cfg.path.name}:", "  [training]"]
+    return out + [f"  {key.split('.', 1)[1]} = {_toml(value)}" for key, value in result.remedy.changes]
+
+
+def probe_line(probe: Probe, budget: int) -> str:
+    head = f"{probe.label:<14} " + (", ".join(f"{key.split('.', 1)[1]} = {_toml(value)}" for key, value in probe.changes) + ": " if probe.changes else "")
+    if not probe.fits:
+        return head + f"does not fit: over {_gib(budget)} during {probe.stopped_at} (probe stopped)"
+    per = probe.seconds_per_unit
+    timing = "no steps timed"
+    if per is not None:
+        total = per * probe.total_units + probe.load_seconds
+        timing = (f"{per:.2f} s per {probe.unit[:-1]} × {probe.total_units} {probe.unit} ≈ {_duration(total)} "
+                  f"with {probe.load_seconds:.1f} s of loading")
+    return head + f"peak {_gib(probe.peak_bytes)} ({probe.peak_bytes / budget:.0%} of the budget), {timing}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
