@@ -95,10 +95,18 @@ def run(workload: str, micro_batch: int, updates: int, weights: str | None, thre
 
 
 def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+    """'AMD EPYC (family 25 model 1; avx2)': the model name alone does not tell a Zen 3 from a
+    Zen 4, and the vector extensions decide the benchmark ratios."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        return platform.processor() or "unknown"
+    fields = {}
+    for line in info.read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}; {', '.join(vector) or 'no AVX2'})"
 
 
 def main() -> None:

@@ -4,18 +4,17 @@ budget is too small, and bad input."""
 
 from __future__ import annotations
 
-import json
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from retrograd.config import load_config
 from retrograd.evaluation import plan as planner
-from retrograd.runtime.memory import tree_rss_bytes
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from preflight_accuracy import measure_train  # noqa: E402  (the same measurement as the benchmark's)
 
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -78,21 +77,6 @@ max_new_tokens = 8
     return cfg
 
 
-def train_and_measure(cfg: Path) -> tuple[int, float, int]:
-    """A real `retrograd train` run: the peak RSS of its process tree (sampled as the probe
-    samples), its mean seconds per step (update) and its number of steps, from its metrics."""
-    run = subprocess.Popen([*RETROGRAD, "train", str(cfg)], cwd=cfg.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak = 0
-    while run.poll() is None:
-        peak = max(peak, tree_rss_bytes(run.pid))
-        time.sleep(0.02)
-    assert run.returncode == 0, run.stderr.read().decode()[-2000:]
-    name = load_config(cfg).output.path
-    rows = [json.loads(line) for line in name.with_suffix(".metrics.jsonl").read_text().splitlines()]
-    seconds = [s for r in rows if (s := r.get("timing/step_seconds", r.get("timing/update_seconds"))) is not None]
-    return peak, statistics.fmean(seconds), len(seconds)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["sft-dense", "sft-quantized-checkpointed", "grpo"])
 def test_predictions_match_a_real_run(tmp_path, shape):
@@ -107,7 +91,7 @@ def test_predictions_match_a_real_run(tmp_path, shape):
     }[shape]()
     predicted = planner.plan(load_config(cfg), planner.default_budget())
     assert predicted.configured.fits and predicted.remedy is None
-    peak, per_step, steps = train_and_measure(cfg)
+    peak, per_step, steps = measure_train(cfg)
     probe = predicted.configured
     print(f"{shape}: peak predicted {probe.peak_bytes / GiB:.3f} GiB, measured {peak / GiB:.3f}; "
           f"s/{probe.unit[:-1]} predicted {probe.seconds_per_unit:.2f}, measured {per_step:.2f}")
@@ -137,22 +121,24 @@ def test_a_run_over_budget_gets_the_first_rung_that_fits(tmp_path):
 
 
 def test_the_ladder_follows_the_tuning_guide(tmp_path):
-    sft = load_config(sft_config(tmp_path, micro_batch=128, training="gradient_accumulation = 3"))
+    sft = load_config(sft_config(tmp_path, micro_batch=512, training="gradient_accumulation = 3"))
     names = [name for name, _ in planner.rungs(sft)]
     assert names == ["a smaller micro_batch", "gradient checkpointing in bf16", "all of these together"]
-    assert planner.rungs(sft)[0][1] == [
-        (("training.micro_batch", 64), ("training.gradient_accumulation", 6)),
-        (("training.micro_batch", 32), ("training.gradient_accumulation", 12)),
-        (("training.micro_batch", 16), ("training.gradient_accumulation", 24)),
+    assert planner.rungs(sft)[0][1] == [  # down to ctx (128): every example still fits a micro-batch
+        (("training.micro_batch", 256), ("training.gradient_accumulation", 6)),
+        (("training.micro_batch", 128), ("training.gradient_accumulation", 12)),
     ]
     grpo = load_config(grpo_config(tmp_path))
     ladder = dict(planner.rungs(grpo))
     assert planner.generation_concurrency(grpo) == 16  # 2 prompts × 8 completions
     assert ladder["a lower generation_concurrency"][0] == (("training.generation_concurrency", 8),)
+    assert [c[0][1] for c in ladder["a smaller micro_batch"]] == [256, 128, 64, 32, 16]
     assert all(len(c) == 1 for c in ladder["a smaller micro_batch"])  # no accumulation in GRPO
-    assert ladder["all of these together"] == [(("training.micro_batch", 16), ("training.generation_concurrency", 1),
-                                                ("training.gradient_checkpointing", True), ("training.checkpoint_dtype", "bf16"))]
-    changed = planner.with_changes(grpo, ladder["all of these together"][0])
+    together = ladder["all of these together"]  # from mild to drastic
+    checkpointing = (("training.gradient_checkpointing", True), ("training.checkpoint_dtype", "bf16"))
+    assert together[0] == (("training.micro_batch", 256), ("training.generation_concurrency", 8), *checkpointing)
+    assert together[-1] == (("training.micro_batch", 16), ("training.generation_concurrency", 1), *checkpointing)
+    changed = planner.with_changes(grpo, together[-1])
     assert (changed.training.micro_batch, changed.training.generation_concurrency, changed.training.checkpoint_dtype) == (16, 1, "bf16")
 
 
@@ -161,8 +147,14 @@ def test_memory_sizes(text, expected):
     assert planner.parse_size(text) == expected
 
 
+@pytest.mark.parametrize("text", ["6", "inf GiB", "nanG", "-1G", "0M", "3 apples"])
+def test_memory_sizes_need_a_unit_and_a_positive_number(text):
+    with pytest.raises(ValueError, match="expected a size above zero with its unit"):
+        planner.parse_size(text)
+
+
 @pytest.mark.parametrize("args,expected", [
-    (["--memory", "lots"], "--memory 'lots': expected a size such as 3GiB or 512MiB"),
+    (["--memory", "lots"], "--memory 'lots': expected a size above zero with its unit, such as 3GiB or 512MiB"),
     (["--ctx", "64"], "--ctx apply to --model probes; the run's file sets them"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, expected):

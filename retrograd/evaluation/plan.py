@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pickle
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +58,7 @@ class Probe:
     total_units: int  # in the full run
     weights: str
     stopped_at: str = ""  # where a probe over budget was stopped
+    failure: str = ""  # a rung whose run failed for another reason (the error's first line)
 
     @property
     def seconds_per_unit(self) -> float | None:
@@ -130,7 +133,9 @@ def _child(config_file: str, units: int | None, events_fd: int) -> None:
         import traceback
 
         traceback.print_exc()
-        reporter._send(kind="error", text=f"{type(e).__name__}: {e}")
+        first_line = (str(e).splitlines() or [""])[0]
+        out_of_memory = isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in first_line
+        reporter._send(kind="out_of_memory" if out_of_memory else "error", text=f"{type(e).__name__}: {first_line}")
     reporter._send(kind="end")
     out.close()
     os._exit(0)  # no waiting on the sampler's or the loaders' threads
@@ -153,9 +158,10 @@ def probe_config(cfg: Config, scratch: Path) -> Config:
 
 
 def run_probe(cfg: Config, budget: int, *, units: int | None = None, label: str = "as configured", rung: str = "",
-              changes: tuple = (), on_event=None, timeout: float = 3600.0) -> Probe:
-    """Run the recipe of `cfg` for `units` steps in a child process, stopping it past `budget`
-    bytes of host memory."""
+              changes: tuple = (), on_event=None) -> Probe:
+    """Run the recipe of `cfg` for `units` steps in a child process (a session of its own, so
+    that it and everything it started can be stopped together), stopping it past `budget`
+    bytes of host memory. A child the kernel killed, or that ran out of memory, did not fit."""
     with tempfile.TemporaryDirectory(prefix="retrograd-preflight-") as scratch:
         scratch = Path(scratch)
         (scratch / "config.pickle").write_bytes(pickle.dumps(probe_config(cfg, scratch)))
@@ -165,18 +171,16 @@ def run_probe(cfg: Config, budget: int, *, units: int | None = None, label: str 
         with open(log_path, "wb") as log:
             child = subprocess.Popen(
                 [sys.executable, "-c", f"from retrograd.evaluation.plan import _child; _child({str(scratch / 'config.pickle')!r}, {units}, {write_fd})"],
-                pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 env=os.environ | {"PYTHONWARNINGS": "ignore", HOST_MEMORY_ENV: str(budget)},
             )
         os.close(write_fd)
         watcher = _Watcher(child, budget)
         try:
-            return watcher.follow(read_fd, (label, rung, changes), on_event, timeout, log_path)
+            return watcher.follow(read_fd, (label, rung, changes), on_event, log_path)
         finally:
             os.close(read_fd)
-            if child.poll() is None:
-                _kill_tree(child.pid)
-            child.wait()
+            _stop(child)
 
 
 class _Watcher:
@@ -188,14 +192,14 @@ class _Watcher:
         self.step_ends: list[float] = []
         self.total, self.unit, self.weights, self.where = 0, "steps", "", "loading the model"
 
-    def follow(self, fd: int, names: tuple, on_event, timeout: float, log_path: Path) -> Probe:
+    def follow(self, fd: int, names: tuple, on_event, log_path: Path) -> Probe:
         buffer = b""
         ended, error = False, None
         while not ended:
             rss = tree_rss_bytes(self.child.pid)
             self.peak = max(self.peak, rss)
             if rss > self.budget:
-                _kill_tree(self.child.pid)
+                _stop(self.child)
                 return self._probe(names, fits=False)
             try:
                 chunk = os.read(fd, 65536)
@@ -209,16 +213,22 @@ class _Watcher:
                 event = json.loads(line)
                 ended |= event["kind"] == "end"
                 error = event["text"] if event["kind"] == "error" else error
+                if event["kind"] == "out_of_memory":
+                    self.where += f" ({event['text']})"
+                    return self._probe(names, fits=False)
                 self._note(event, rss)
                 if on_event:
                     on_event(event)
-            if time.monotonic() - self.started > timeout:
-                raise ProbeFailed(f"the probe took over {timeout:.0f} s")
             if not chunk:
                 time.sleep(WATCH_INTERVAL)
-        if error is not None or not ended:
+        if error is not None:
+            raise ProbeFailed(error.splitlines()[0])
+        if not ended:
+            if self.child.wait() == -signal.SIGKILL:  # the kernel's out-of-memory killer, most likely
+                self.where += " (killed by the kernel: out of memory)"
+                return self._probe(names, fits=False)
             tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
-            raise ProbeFailed(error or f"the probe ended without a result ({tail[0] if tail else 'no output'})")
+            raise ProbeFailed(f"the probe ended without a result (exit status {self.child.returncode}; {tail[0] if tail else 'no output'})")
         return self._probe(names, fits=True)
 
     def _note(self, event: dict, rss: int) -> None:
@@ -244,13 +254,22 @@ class _Watcher:
         )
 
 
-def _kill_tree(pid: int) -> None:
+def _stop(child: subprocess.Popen) -> None:
+    """Kill the child's session (it and what it started), then any descendant that left it."""
     try:
-        parent = psutil.Process(pid)
-        for p in [*parent.children(recursive=True), parent]:
-            p.kill()
+        descendants = psutil.Process(child.pid).children(recursive=True)
     except psutil.NoSuchProcess:
+        descendants = []
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
         pass
+    for p in descendants:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    child.wait()
 
 
 # ----------------------------------------------------------------------------- the ladder
@@ -260,15 +279,18 @@ def rungs(cfg: Config) -> list[tuple[str, list[tuple[tuple[str, object], ...]]]]
     """The tuning guide's ladder for this run: (rung, candidates from the least to the most
     invasive), each candidate the keys it changes; rungs with no candidate left out."""
     t = cfg.training
-    sft_like = cfg.run.algorithm == "sft"
+    # SFT and offline distillation keep a step's tokens with more accumulation; above ctx, so
+    # that every example still fits a micro-batch and a step keeps its examples
+    sft_like = cfg.run.algorithm == "sft" or (cfg.run.algorithm == "distill" and cfg.distill.mode == "topk_offline")
+    floor = max(MIN_MICRO_BATCH, t.ctx) if sft_like else MIN_MICRO_BATCH
     smaller = []
     mb, accumulation = t.micro_batch, t.gradient_accumulation
-    while mb // 2 >= MIN_MICRO_BATCH:
+    while mb // 2 >= floor:
         mb, accumulation = mb // 2, accumulation * 2
         smaller.append((("training.micro_batch", mb),) + ((("training.gradient_accumulation", accumulation),) if sft_like else ()))
     ladder = [("a smaller micro_batch", smaller)]
     concurrency = generation_concurrency(cfg)
-    if concurrency is not None:
+    if concurrency is not None and not (cfg.rollout and cfg.rollout.workers):  # remote workers' memory is theirs
         fewer = []
         while concurrency > 1:
             concurrency //= 2
@@ -276,9 +298,11 @@ def rungs(cfg: Config) -> list[tuple[str, list[tuple[tuple[str, object], ...]]]]
         ladder.append(("a lower generation_concurrency", fewer))
     if not t.gradient_checkpointing or t.checkpoint_dtype != "bf16":
         ladder.append(("gradient checkpointing in bf16", [(("training.gradient_checkpointing", True), ("training.checkpoint_dtype", "bf16"))]))
-    floor = tuple(change for _, candidates in ladder if candidates for change in candidates[-1])
-    if len([c for _, c in ladder if c]) > 1:
-        ladder.append(("all of these together", [floor]))
+    used = [candidates for _, candidates in ladder if candidates]
+    if len(used) > 1:  # from each rung's mildest candidate to its last, together
+        together = [tuple(change for candidates in used for change in candidates[min(k, len(candidates) - 1)])
+                    for k in range(max(map(len, used)))]
+        ladder.append(("all of these together", together))
     return [(name, candidates) for name, candidates in ladder if candidates]
 
 
@@ -317,8 +341,12 @@ def plan(cfg: Config, budget: int, *, units: int | None = None, on_probe=None, o
         return Plan(budget, configured, None, ())
     for number, (name, candidates) in enumerate(rungs(cfg), 1):
         for changes in candidates:
-            probe = run_probe(with_changes(cfg, changes), budget, units=units, label=f"rung {number}", rung=name, changes=changes,
-                              on_event=on_event)
+            try:
+                probe = run_probe(with_changes(cfg, changes), budget, units=units, label=f"rung {number}", rung=name,
+                                  changes=changes, on_event=on_event)
+            except ProbeFailed as e:  # this candidate cannot run (the next may): say why, go on
+                probe = Probe(f"rung {number}", name, changes, False, 0, 0, 0.0, (), configured.unit, configured.total_units,
+                              "", failure=str(e))
             tried.append(probe)
             if on_probe:
                 on_probe(probe)
@@ -337,20 +365,16 @@ def default_budget() -> int:
 
 
 def parse_size(text: str) -> int:
-    """'3GiB', '512MiB', '2.5G', '800M' -> bytes (binary units)."""
+    """'3GiB', '512MiB', '2.5G', '800M' -> bytes (binary units; a unit is required)."""
     units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
     s = text.strip().lower().removesuffix("b").removesuffix("i")
-    if s and s[-1] in units:
-        number, scale = s[:-1], units[s[-1]]
-    else:
-        number, scale = s, 1
     try:
-        value = float(number)
+        value = float(s[:-1]) if s and s[-1] in units else math.nan
     except ValueError:
-        raise ValueError(f"{text!r}: expected a size such as 3GiB or 512MiB") from None
-    if value <= 0:
-        raise ValueError(f"{text!r}: expected a size above zero")
-    return int(value * scale)
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r}: expected a size above zero with its unit, such as 3GiB or 512MiB")
+    return int(value * units[s[-1]])
 
 
 def verdict(cfg: Config, result: Plan) -> list[str]:
@@ -365,6 +389,8 @@ def verdict(cfg: Config, result: Plan) -> list[str]:
 
 def probe_line(probe: Probe, budget: int) -> str:
     head = f"{probe.label:<14} " + (", ".join(f"{key.split('.', 1)[1]} = {_toml(value)}" for key, value in probe.changes) + ": " if probe.changes else "")
+    if probe.failure:
+        return head + f"failed: {probe.failure}"
     if not probe.fits:
         return head + f"does not fit: over {_gib(budget)} during {probe.stopped_at} (probe stopped)"
     per = probe.seconds_per_unit
