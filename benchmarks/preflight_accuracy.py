@@ -35,16 +35,22 @@ def measure_train(config: Path, model: Path | None = None) -> tuple[int, float, 
     tree, its mean seconds per step (update) and its number of steps."""
     command = [sys.executable, "-m", "retrograd", "train", str(config)] + (["--model", str(model)] if model else [])
     run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak = 0
-    while run.poll() is None:
-        peak = max(peak, tree_rss_bytes(run.pid))
-        time.sleep(planner.WATCH_INTERVAL)
+    peak = peak_while_running(run)
     if run.returncode != 0:
         raise RuntimeError(f"retrograd train {config} failed: {run.stderr.read().decode()[-2000:]}")
     output = load_config(config).output.path
     rows = [json.loads(line) for line in output.with_suffix(".metrics.jsonl").read_text().splitlines()]
     seconds = [s for r in rows if (s := r.get("timing/step_seconds", r.get("timing/update_seconds"))) is not None]
     return peak, statistics.fmean(seconds), len(seconds)
+
+
+def peak_while_running(process: subprocess.Popen) -> int:
+    """The largest RSS of the process and its descendants, sampled as preflight's probe is, until it exits."""
+    peak = 0
+    while process.poll() is None:
+        peak = max(peak, tree_rss_bytes(process.pid))
+        time.sleep(planner.WATCH_INTERVAL)
+    return peak
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ def key(default: Any = _REQUIRED, *, choices=None, gt=None, ge=None, le=None, lt
 
 @section
 class RunSection:
-    algorithm: str = key(choices=("sft", "grpo", "agent_grpo", "distill"))
+    algorithm: str = key(choices=("sft", "grpo", "agent_grpo", "distill", "preference"))
     verbose: bool = key(False)
 
 
@@ -117,6 +117,38 @@ class SFTSection:
     data_format: str | None = key(None, choices=("text", "txt", "jsonl", "json", "chat", "chat-jsonl", "csv", "parquet"))
     shuffle: bool = key(True)
     template_variables: dict = key({})
+
+
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo", "kto")
+# The keys each loss reads beyond the common ones (data, loss, shuffle, pairs_per_step, logps_drop_warn).
+PREFERENCE_LOSS_KEYS = {
+    "dpo": ("beta", "reference", "label_smoothing"),
+    "ipo": ("beta", "reference"),
+    "simpo": ("beta", "gamma_beta_ratio"),
+    "orpo": ("beta",),
+    "kto": ("beta", "reference", "desirable_weight", "undesirable_weight"),
+}
+
+
+@section
+class PreferenceSection:
+    data: Path = key()
+    data_format: str | None = key(None, choices=("jsonl", "json", "csv", "parquet"))
+    loss: str = key("dpo", choices=PREFERENCE_LOSSES)
+    beta: float | None = key(None, gt=0)  # None: 0.1, or 2.0 for simpo
+    reference: str = key("initial", choices=("initial", "base"))  # initial: the adapter as the run starts (init_adapter)
+    label_smoothing: float = key(0.0, ge=0, lt=0.5)
+    gamma_beta_ratio: float = key(0.5, ge=0)
+    desirable_weight: float = key(1.0, gt=0)
+    undesirable_weight: float = key(1.0, gt=0)
+    shuffle: bool = key(True)
+    pairs_per_step: int | None = key(None, ge=1)
+    logps_drop_warn: float = key(2.0, gt=0)
+
+    @property
+    def strength(self) -> float:
+        """beta as the loss reads it (its default depends on the loss)."""
+        return self.beta if self.beta is not None else 2.0 if self.loss == "simpo" else 0.1
 
 
 @section
@@ -299,10 +331,11 @@ SECTION_TYPES: dict[str, type] = {
     "distill": DistillSection,
     "observe": ObserveSection,
     "rollout": RolloutSection,
+    "preference": PreferenceSection,
 }
 COMMON_SECTIONS = ("run", "model", "output", "lora", "training", "evaluation", "checkpoint", "metrics")
 ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe", "rollout"), "agent_grpo": ("agent", "observe"),
-                      "distill": ("distill", "rollout")}
+                      "distill": ("distill", "rollout"), "preference": ("preference",)}
 REQUIRED_SECTIONS = ("run", "output")
 DEFAULTED_SECTIONS = ("model", "lora", "training", "metrics")
 ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "generation_threads", "fast_sampling_context",
@@ -331,6 +364,7 @@ class Config:
     grpo: GRPOSection | None = None
     agent: AgentSection | None = None
     distill: DistillSection | None = None
+    preference: PreferenceSection | None = None
     observe: ObserveSection | None = None
     rollout: RolloutSection | None = None
     evaluation: EvaluationSection | None = None
@@ -418,10 +452,17 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
     training: TrainingSection = s["training"]
     if "output.merge_type" in explicit and s["output"].kind != "model":
         problems.append("output.merge_type applies to kind = 'model' (the merged model), not kind = 'adapter'")
-    if algorithm == "sft":
+    if algorithm in ("sft", "preference"):
         for k in ROLLOUT_ONLY_TRAINING_KEYS:
             if f"training.{k}" in explicit:
-                problems.append(f"training.{k} applies to rollout algorithms (grpo, agent_grpo, distill), not sft")
+                problems.append(f"training.{k} applies to rollout algorithms (grpo, agent_grpo, distill), not {algorithm}")
+    preference: PreferenceSection | None = s.get("preference")
+    if preference is not None:
+        reads = PREFERENCE_LOSS_KEYS[preference.loss]
+        for k in sorted({k for keys in PREFERENCE_LOSS_KEYS.values() for k in keys} - set(reads)):
+            if f"preference.{k}" in explicit:
+                users = [loss for loss, keys in PREFERENCE_LOSS_KEYS.items() if k in keys]
+                problems.append(f"preference.{k} is not read by loss = {preference.loss!r} (it applies to {', '.join(users)})")
     if "training.checkpoint_dtype" in explicit and not training.gradient_checkpointing:
         problems.append("training.checkpoint_dtype needs training.gradient_checkpointing = true")
     distill: DistillSection | None = s.get("distill")

@@ -17,11 +17,12 @@ from lora_files import randomise_b
 
 import retrograd
 from retrograd.config import load_config
+from retrograd.data import TokenSequence
 from retrograd.errors import ConfigError, GGUFError
 from retrograd.gguf.adapter import adapter_tensors, write_adapter
 from retrograd.model.lora import attach_lora
 from retrograd.recipes import sft
-from retrograd.training.batches import Group, SharedPrefix, TokenSequence, batch_logprobs, pack
+from retrograd.training.batches import Group, SharedPrefix, batch_logprobs, pack
 from retrograd.training.report import SilentReporter
 
 CONV_PROJECTIONS = ["blk.*.shortconv.in_proj.weight", "blk.*.shortconv.out_proj.weight"]

@@ -4,8 +4,9 @@ gives the gradients of the plain forward."""
 import torch
 
 import retrograd
+from retrograd.data import TokenSequence
 from retrograd.model.lora import attach_lora
-from retrograd.training.batches import Group, TokenSequence, batch_logprobs, pack, plan_micro_batches
+from retrograd.training.batches import Group, batch_logprobs, pack, plan_micro_batches
 from retrograd.training.optim import learning_rate
 
 

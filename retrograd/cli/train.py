@@ -84,8 +84,8 @@ class ReportingConsole(ConsoleReporter):
 
 def sampler_warning(cfg) -> str | None:
     """The line that says llama.cpp would sample on the CPU while torch trains on a CUDA GPU
-    (every algorithm but sft runs llama.cpp)."""
-    if cfg.run.algorithm == "sft":
+    (every algorithm but sft and preference runs llama.cpp)."""
+    if cfg.run.algorithm in ("sft", "preference"):
         return None
     from retrograd.runtime.device import resolve_device
     from retrograd.runtime.llamacpp import gpu_offload_warning

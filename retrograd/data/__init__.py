@@ -2,7 +2,7 @@
 with an exact assistant loss mask, and prompt files for GRPO and distillation."""
 
 from retrograd.data.prompts import Prompt, Prompts, completion_seed, load_prompts, order_name, prompt_index
-from retrograd.data.sft import Example, SFTData, load_sft
+from retrograd.data.sft import Example, SFTData, TokenSequence, load_sft
 from retrograd.data.subset import evenly_spaced
 from retrograd.data.template import CHAT_TEMPLATES, ChatFormat, resolve_chat_template
 
@@ -13,6 +13,7 @@ __all__ = [
     "Prompt",
     "Prompts",
     "SFTData",
+    "TokenSequence",
     "completion_seed",
     "evenly_spaced",
     "load_prompts",

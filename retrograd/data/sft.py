@@ -60,6 +60,19 @@ class Example:
 
 
 @dataclass(frozen=True)
+class TokenSequence:
+    """ids and a loss mask: mask[i] is True when predicting ids[i] from what precedes it counts
+    (a completion's mask[0] too, when it continues a prompt packed before it)."""
+
+    ids: tuple[int, ...]
+    mask: tuple[bool, ...]
+
+    @property
+    def n_trained(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass(frozen=True)
 class SFTData:
     format: str  # "text" (one stream cut into windows) or "chat" (one example per record, of any shape)
     examples: tuple[Example, ...]
@@ -70,7 +83,7 @@ class SFTData:
 def load_sft(path: str | Path, chat: ChatFormat, *, ctx: int, data_format: str | None = None) -> SFTData:
     assert ctx >= 2, "ctx is validated by the config"
     path = Path(path)
-    container = _container(path, data_format)
+    container = data_container(path, data_format)
     if container == "text":
         windows = text_windows(path, read_text(path), chat, ctx)
         description = f"{path.name} (plain text, {count(len(windows), 'window')} of up to {ctx} tokens)"
@@ -98,9 +111,9 @@ def record_examples(path: Path, items, chat: ChatFormat, ctx: int) -> tuple[list
     examples, dropped, shortest = [], [], None
     for where, item in items:
         if isinstance(item, Plain):
-            ids, mask = _plain_example(chat, item, where)
+            ids, mask = plain_example(chat, item, where)
         else:
-            ids, mask = _chat_example(path, chat, item, where)
+            ids, mask = chat_example(path, chat, item, where)
         if len(ids) > ctx:
             dropped.append(where)
             shortest = len(ids) if shortest is None else min(shortest, len(ids))
@@ -116,7 +129,7 @@ def record_examples(path: Path, items, chat: ChatFormat, ctx: int) -> tuple[list
     return examples, dropped
 
 
-def _chat_example(path: Path, chat: ChatFormat, item: Chat, where: str) -> tuple[list[int], list[bool]]:
+def chat_example(path: Path, chat: ChatFormat, item: Chat, where: str) -> tuple[list[int], list[bool]]:
     chat.require_template(path)
     conv = parse_conversation(item.record, where)
     if sum(m["role"] == "assistant" for m in conv.messages) <= item.context_turns:
@@ -124,7 +137,7 @@ def _chat_example(path: Path, chat: ChatFormat, item: Chat, where: str) -> tuple
     return encode_conversation(chat, conv, where, context_turns=item.context_turns)
 
 
-def _plain_example(chat: ChatFormat, item: Plain, where: str) -> tuple[list[int], list[bool]]:
+def plain_example(chat: ChatFormat, item: Plain, where: str) -> tuple[list[int], list[bool]]:
     ids, starts = chat.tokenize(item.prompt + item.completion, where)
     boundary = len(item.prompt.encode("utf-8"))
     mask = [False] + [start >= boundary for start in starts[1:]]
@@ -135,7 +148,7 @@ def _plain_example(chat: ChatFormat, item: Plain, where: str) -> tuple[list[int]
     return ids, mask
 
 
-def _container(path: Path, declared: str | None) -> str:
+def data_container(path: Path, declared: str | None) -> str:
     if declared is not None:
         if declared not in FORMAT_NAMES:
             raise ConfigError(f"data_format = {declared!r}: expected one of {', '.join(FORMAT_NAMES)}")

@@ -7,7 +7,7 @@ MAX_CELL_CHARS, nesting no deeper than MAX_JSON_DEPTH, and JSON inside a cell pa
 load_json. An empty CSV cell and a Parquet null are a key that is absent.
 
 A cell of a column that holds a list (`messages`, `conversations`, `tools`) may be JSON text,
-as it must be in CSV. So may `prompt` and `completion` (TRL's conversational shape) when the
+as it must be in CSV. So may `prompt`, `completion`, `chosen` and `rejected` (TRL's conversational shapes) when the
 first record's cell starts with `[`: the file decides once, so a plain-text prompt that
 happens to start with a bracket further down stays text.
 """
@@ -30,7 +30,7 @@ CONTAINERS = ("jsonl", "csv", "parquet")
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 MAX_CELL_CHARS = MAX_JSON_CHARS
 JSON_COLUMNS = frozenset({"messages", "conversations", "tools"})
-MAYBE_JSON_COLUMNS = frozenset({"prompt", "completion"})
+MAYBE_JSON_COLUMNS = frozenset({"prompt", "completion", "chosen", "rejected"})
 PARQUET_BATCH_ROWS = 256  # rows decoded at a time, once their row group is measured
 PARQUET_EXPANSION = 256  # decoded bytes a Parquet file may hold per byte on disk (text compresses 3-10x)
 PARQUET_MIN_BUDGET = 64 << 20  # ... and at least this many, whatever its size

@@ -339,8 +339,99 @@ def _distill_pass(setup: Setup, examples, scores, options: LogprobOptions) -> Di
     )
 
 
+# ----------------------------------------------------------------------------- preference
+
+
+@dataclass(frozen=True)
+class PreferencePass:
+    """One pass over held-out records, LoRA off (base) or on (adapter): each record's summed
+    log-prob of its answers."""
+
+    chosen: tuple[float, ...]  # per pair; for KTO the desirable answers
+    rejected: tuple[float, ...]  # per pair; for KTO the undesirable answers
+    seconds: float
+
+    @property
+    def margins(self) -> np.ndarray:
+        return np.asarray(self.chosen) - np.asarray(self.rejected)
+
+
+@dataclass(frozen=True)
+class PreferenceBench:
+    data: Path
+    adapter_path: Path | None
+    paired: bool
+    base: PreferencePass
+    adapter: PreferencePass | None
+    sources: tuple[str, ...] = ()
+    item_label = "pair (log p(chosen) - log p(rejected))"
+
+    def rows(self) -> list[Row]:
+        def row(group: str, metric: str, of: Callable[[PreferencePass], float], digits: int, better: int = 0) -> Row:
+            return Row(group, metric, of(self.base), None if self.adapter is None else of(self.adapter), digits, better)
+
+        if not self.paired:
+            return [row("answers", "mean log-prob, desirable", lambda p: float(np.mean(p.chosen or [0.0])), 3, 1),
+                    row("answers", "mean log-prob, undesirable", lambda p: float(np.mean(p.rejected or [0.0])), 3, -1),
+                    row("data", "answers", lambda p: len(p.chosen) + len(p.rejected), 0)]
+        return [row("pairs", "accuracy (chosen more likely)", lambda p: float((p.margins > 0).mean()), 3, 1),
+                row("pairs", "mean margin (nats)", lambda p: float(p.margins.mean()), 3, 1),
+                row("answers", "mean log-prob, chosen", lambda p: float(np.mean(p.chosen)), 3, 1),
+                row("answers", "mean log-prob, rejected", lambda p: float(np.mean(p.rejected)), 3),
+                row("data", "pairs", lambda p: len(p.chosen), 0)]
+
+    def verdict(self) -> Verdict | None:
+        if self.adapter is None:
+            return None
+        if self.paired:
+            deltas = self.adapter.margins - self.base.margins
+        else:  # a desirable answer should gain, an undesirable one lose
+            deltas = np.concatenate([np.asarray(self.adapter.chosen) - self.base.chosen,
+                                     np.asarray(self.base.rejected) - self.adapter.rejected])
+        return make_verdict(deltas, "log-prob margin" if self.paired else "signed log-prob change", None,
+                            unit="nats", items="pairs" if self.paired else "answers")
+
+    def items(self) -> list[ItemRow]:
+        if not self.paired:
+            return []
+        adapter = self.adapter.margins if self.adapter is not None else (None,) * len(self.sources)
+        return [ItemRow(*row) for row in zip(self.sources, self.base.margins, adapter)]
+
+
+def bench_preference(cfg: Config, reporter: Reporter, options: BenchOptions) -> PreferenceBench:
+    from retrograd.data.preference import load_preference
+    from retrograd.recipes.preference import Scorer, group
+
+    data_path = _data_path(cfg, options)
+    adapter_path = resolve_adapter(cfg, options)
+    adapter_file = read_adapter(adapter_path) if adapter_path is not None else None
+    chat = open_chat(cfg)
+    paired = cfg.preference.loss != "kto"
+    records = load_preference(data_path, chat, ctx=cfg.training.ctx, unpaired=not paired,
+                              data_format=cfg.preference.data_format).items[: options.limit]
+    setup = _load(cfg, reporter, chat, adapter_path, adapter_file)
+    reporter.message(f"bench: {len(records)} record(s) from {data_path}")
+    scorer = Scorer(setup, LogprobOptions.from_training(cfg.training, setup.model.spec.n_vocab))
+    groups = [group(r) for r in records]
+
+    def one_pass() -> PreferencePass:
+        t0 = time.perf_counter()
+        sums = scorer.without_grad(groups)
+        if paired:
+            return PreferencePass(tuple(sums[0::2]), tuple(sums[1::2]), time.perf_counter() - t0)
+        desirable = [r.desirable for r in records]
+        return PreferencePass(tuple(x for x, d in zip(sums, desirable) if d), tuple(x for x, d in zip(sums, desirable) if not d),
+                              time.perf_counter() - t0)
+
+    with setup.adapter.disabled():
+        base = one_pass()
+    adapter = one_pass() if adapter_path is not None else None
+    return PreferenceBench(data_path, adapter_path, paired, base, adapter, tuple(r.source for r in records))
+
+
 # algorithm -> its bench; a new algorithm is a new function here
-BENCHES: dict[str, Callable[[Config, Reporter, BenchOptions], BenchResult]] = {"sft": bench_sft, "distill": bench_distill}
+BENCHES: dict[str, Callable[[Config, Reporter, BenchOptions], BenchResult]] = {
+    "sft": bench_sft, "distill": bench_distill, "preference": bench_preference}
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -351,6 +442,8 @@ def _data_path(cfg: Config, options: BenchOptions) -> Path:
         path, origin = Path(options.data).resolve(), "--data"
     elif cfg.evaluation is not None:
         path, origin = cfg.evaluation.data, "evaluation.data"
+    elif cfg.preference is not None:
+        path, origin = cfg.preference.data, "preference.data"
     else:
         path, origin = cfg.sft.data, "sft.data"
     if not path.is_file():

@@ -279,9 +279,9 @@ def rungs(cfg: Config) -> list[tuple[str, list[tuple[tuple[str, object], ...]]]]
     """The tuning guide's ladder for this run: (rung, candidates from the least to the most
     invasive), each candidate the keys it changes; rungs with no candidate left out."""
     t = cfg.training
-    # SFT and offline distillation keep a step's tokens with more accumulation; above ctx, so
+    # SFT, preference and offline distillation keep a step's tokens with more accumulation; above ctx, so
     # that every example still fits a micro-batch and a step keeps its examples
-    sft_like = cfg.run.algorithm == "sft" or (cfg.run.algorithm == "distill" and cfg.distill.mode == "topk_offline")
+    sft_like = cfg.run.algorithm in ("sft", "preference") or (cfg.run.algorithm == "distill" and cfg.distill.mode == "topk_offline")
     floor = max(MIN_MICRO_BATCH, t.ctx) if sft_like else MIN_MICRO_BATCH
     smaller = []
     mb, accumulation = t.micro_batch, t.gradient_accumulation

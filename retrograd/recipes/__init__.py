@@ -29,4 +29,11 @@ def _distill(cfg, reporter, resume=None):
     return distill.run(cfg, reporter, resume=resume)
 
 
-RECIPES: dict[str, Callable] = {"sft": _sft, "grpo": _grpo, "agent_grpo": _agent_grpo, "distill": _distill}
+def _preference(cfg, reporter, resume=None):
+    from retrograd.recipes import preference
+
+    return preference.run(cfg, reporter, resume=resume)
+
+
+RECIPES: dict[str, Callable] = {"sft": _sft, "grpo": _grpo, "agent_grpo": _agent_grpo, "distill": _distill,
+                                "preference": _preference}

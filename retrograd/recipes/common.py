@@ -217,7 +217,7 @@ def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     }
     for name, path in data_files.items():
         sig[name] = content_hash(path)
-    for section in ("sft", "grpo"):
+    for section in ("sft", "grpo", "preference"):
         value = getattr(cfg, section, None)
         if value is not None:
             sig[section] = {k: v for k, v in dataclasses.asdict(value).items() if k not in ("data", "prompts")}

@@ -67,7 +67,8 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     params = setup.adapter.parameters()
     optimizer = build_optimizer(params, t.optimizer, t.lr, t.weight_decay)
 
-    plans = [epoch_plan(examples, e, seed=cfg.lora.seed, shuffle=cfg.sft.shuffle, micro_batch=t.micro_batch, accumulation=t.gradient_accumulation) for e in range(t.epochs)]
+    lengths = [len(x.ids) for x in examples]
+    plans = [epoch_plan(lengths, e, seed=cfg.lora.seed, shuffle=cfg.sft.shuffle, micro_batch=t.micro_batch, accumulation=t.gradient_accumulation) for e in range(t.epochs)]
     total_steps = sum(len(p) for p in plans)
     schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, total_steps, t.max_grad_norm)
     data_files = {"sft.data": cfg.sft.data} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})

@@ -35,6 +35,8 @@ CURVES = (
     ("Loss", "loss", ("train/loss", "policy/total_loss"), ("eval/loss",)),
     ("Reward", "reward", ("reward/mean", "reward/min", "reward/max"), ("eval/mean_reward",)),
     ("KL", "nats per token", ("policy/kl", "distill/teacher_kl_mean"), ("eval/teacher_kl_mean",)),
+    ("Preference accuracy", "share of pairs", ("rewards/accuracies",), ("eval/rewards/accuracies",)),
+    ("Preference rewards", "implicit reward", ("rewards/chosen", "rewards/rejected", "rewards/margins"), ("eval/rewards/margins",)),
     ("Learning rate", "learning rate", ("train/lr", "optimizer/learning_rate"), ()),
     ("Throughput", "tokens per second", ("train/tokens_per_second",), ()),
 )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from retrograd.data import Example
+from retrograd.data import TokenSequence
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, TOKEN_CHUNK, VOCAB_TILE
 from retrograd.model.transformer import Layout, Past, Transformer
 
@@ -45,18 +45,6 @@ class LogprobOptions:
             token_chunk=training.chunked_ce_seq_chunk or 1 << 30,
             temperature=temperature,
         )
-
-
-@dataclass(frozen=True)
-class TokenSequence:
-    """ids and a loss mask: mask[i] is True when predicting ids[i] from what precedes it counts."""
-
-    ids: tuple[int, ...]
-    mask: tuple[bool, ...]
-
-    @property
-    def n_trained(self) -> int:
-        return sum(self.mask)
 
 
 class SharedPrefix:
@@ -208,11 +196,16 @@ def batch_logprobs(model: Transformer, batch: PackedBatch, options: LogprobOptio
     return logprobs[:, 0]
 
 
-def epoch_plan(examples: tuple[Example, ...], epoch: int, *, seed: int, shuffle: bool, micro_batch: int, accumulation: int):
-    """-> list of optimizer steps, each a list of micro-batches of example indices."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(examples)) if shuffle else np.arange(len(examples))
-    lengths = [len(examples[i].ids) for i in order]
-    micro = [[int(order[j]) for j in mb] for mb in plan_micro_batches(lengths, micro_batch)]
+def epoch_plan(lengths: Sequence[int], epoch: int, *, seed: int, shuffle: bool, micro_batch: int, accumulation: int,
+               items_per_step: int | None = None):
+    """Items of these token lengths -> list of optimizer steps, each a list of micro-batches of
+    item indices: `accumulation` micro-batches per step, or with `items_per_step` that many
+    items per step, packed into as many micro-batches as they need."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(lengths)) if shuffle else np.arange(len(lengths))
+    if items_per_step:
+        steps = [order[i : i + items_per_step] for i in range(0, len(order), items_per_step)]
+        return [[[int(step[j]) for j in mb] for mb in plan_micro_batches([lengths[k] for k in step], micro_batch)] for step in steps]
+    micro = [[int(order[j]) for j in mb] for mb in plan_micro_batches([lengths[i] for i in order], micro_batch)]
     return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
 
 

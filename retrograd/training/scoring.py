@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from retrograd.data import TokenSequence
 from retrograd.model.transformer import Transformer
-from retrograd.training.batches import Group, LogprobOptions, SharedPrefix, TokenSequence, batch_logprobs, pack
+from retrograd.training.batches import Group, LogprobOptions, SharedPrefix, batch_logprobs, pack
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,7 @@ class OfflineLoop(RecipeLoop):
         self.offsets = row_offsets([e.n_trained for e in examples])
         self.plans = [
             epoch_plan(
-                examples,
+                [len(x.ids) for x in examples],
                 e,
                 seed=cfg.lora.seed,
                 shuffle=True,
