@@ -310,6 +310,12 @@ class ObserveSection:
 
 
 @section
+class ReferenceSection:
+    model: Path = key()  # a GGUF with the base's tokenizer: the preference reference instead of the base itself
+    ctx: int | None = key(None, ge=2)  # the Rust retrograd's key: at least training.ctx (one forward per record here)
+
+
+@section
 class RolloutSection:
     workers: tuple[str, ...] = key(())  # URLs of `retrograd rollout-worker` processes
     local_workers: int = key(0, ge=0)  # worker processes the trainer starts on this machine
@@ -332,10 +338,11 @@ SECTION_TYPES: dict[str, type] = {
     "observe": ObserveSection,
     "rollout": RolloutSection,
     "preference": PreferenceSection,
+    "reference": ReferenceSection,
 }
 COMMON_SECTIONS = ("run", "model", "output", "lora", "training", "evaluation", "checkpoint", "metrics")
 ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe", "rollout"), "agent_grpo": ("agent", "observe"),
-                      "distill": ("distill", "rollout"), "preference": ("preference",)}
+                      "distill": ("distill", "rollout"), "preference": ("preference", "reference")}
 REQUIRED_SECTIONS = ("run", "output")
 DEFAULTED_SECTIONS = ("model", "lora", "training", "metrics")
 ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "generation_threads", "fast_sampling_context",
@@ -365,6 +372,7 @@ class Config:
     agent: AgentSection | None = None
     distill: DistillSection | None = None
     preference: PreferenceSection | None = None
+    reference: ReferenceSection | None = None
     observe: ObserveSection | None = None
     rollout: RolloutSection | None = None
     evaluation: EvaluationSection | None = None
@@ -463,6 +471,15 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             if f"preference.{k}" in explicit:
                 users = [loss for loss, keys in PREFERENCE_LOSS_KEYS.items() if k in keys]
                 problems.append(f"preference.{k} is not read by loss = {preference.loss!r} (it applies to {', '.join(users)})")
+        if preference.pairs_per_step is not None and "training.gradient_accumulation" in explicit:
+            problems.append("preference.pairs_per_step and training.gradient_accumulation both size a step; keep one")
+        reference: ReferenceSection | None = s.get("reference")
+        if reference is not None and "reference" not in reads:
+            problems.append(f"[reference] applies to the losses with a reference (dpo, ipo, kto), not {preference.loss!r}")
+        elif reference is not None and "preference.reference" in explicit:
+            problems.append("preference.reference: leave it out when [reference] names the reference model")
+        if reference is not None and reference.ctx is not None and reference.ctx < training.ctx:
+            problems.append(f"reference.ctx = {reference.ctx} must be >= training.ctx = {training.ctx}")
     if "training.checkpoint_dtype" in explicit and not training.gradient_checkpointing:
         problems.append("training.checkpoint_dtype needs training.gradient_checkpointing = true")
     distill: DistillSection | None = s.get("distill")

@@ -85,6 +85,7 @@ CASES = [  # (chosen sum, rejected sum, ref chosen, ref rejected, chosen tokens,
 
 
 def trl_dpo(c, r, rc, rr, beta, eps):
+    """TRL's sigmoid loss; with eps > 0 the conservative DPO of TRL before 1.x (1.16 ignores eps)."""
     m = beta * ((c - rc) - (r - rr))
     return -log_sigmoid(m) * (1 - eps) - log_sigmoid(-m) * eps
 
@@ -112,8 +113,9 @@ def test_paired_losses_equal_trls_formulas():
         for k, (c, r, rc, rr, _, _) in enumerate(CASES):
             assert abs(ours[k].item() - trl_dpo(c, r, rc, rr, beta, eps)) <= 1e-6
             assert abs(chosen[k].item() - beta * (c - rc)) <= 1e-6 and abs(rejected[k].item() - beta * (r - rr)) <= 1e-6
-    ours, _, _ = losses.ipo(p, 0.1)
+    ours, chosen, _ = losses.ipo(p, 0.1)
     assert all(abs(ours[k].item() - trl_ipo(c, r, rc, rr, nc, nr, 0.1)) <= 1e-6 for k, (c, r, rc, rr, nc, nr) in enumerate(CASES))
+    assert all(abs(chosen[k].item() - 0.1 * (c - rc)) <= 1e-6 for k, (c, _, rc, *_) in enumerate(CASES))  # TRL logs beta (S - R)
     ours, chosen, _ = losses.simpo(p, 2.0, 0.5)
     for k, (c, r, _, _, nc, nr) in enumerate(CASES):
         assert abs(ours[k].item() - trl_simpo(c, r, nc, nr, 2.0, 0.5)) <= 1e-6
@@ -181,6 +183,10 @@ def test_implicit_prompt_and_plain_text_shapes(tmp_path):
     data = load_preference(implicit, chat, ctx=128, unpaired=False)
     assert "implicit prompt" in data.description and data.items[0].prompt == explicit.prompt
     assert data.items[0].chosen == explicit.chosen and data.items[0].rejected == explicit.rejected
+    word = write_jsonl(tmp_path / "word.jsonl", [{"prompt": "The sky is bl", "chosen": "ue.", "rejected": "ack."}])
+    pair = load_preference(word, chat, ctx=128, unpaired=False).items[0]
+    assert chat.tokenizer.decode(list(pair.chosen.ids)).startswith("blue") or pair.chosen.n_trained >= 2  # the word, not EOS alone
+    assert pair.chosen.mask[0]
     text = write_jsonl(tmp_path / "text.jsonl", [{"chosen": "The sky is blue.", "rejected": "The sky is green."}])
     pair = load_preference(text, chat, ctx=128, unpaired=False).items[0]
     assert chat.tokenizer.decode(list(pair.prompt)).endswith("The sky is")  # split before the space, as TRL
@@ -241,6 +247,66 @@ def test_a_key_the_loss_does_not_read_is_an_error(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "preference.label_smoothing is not read by loss = 'orpo' (it applies to dpo)" in r.stderr
     assert "preference.reference is not read by loss = 'orpo' (it applies to dpo, ipo, kto)" in r.stderr
+
+
+@pytest.mark.parametrize("loss,extra,needle", [
+    ("simpo", "", "[reference] applies to the losses with a reference (dpo, ipo, kto), not 'simpo'"),
+    ("dpo", 'reference = "base"', "preference.reference: leave it out when [reference] names the reference model"),
+])
+def test_reference_model_config_errors(tmp_path, smollm2_f32, loss, extra, needle):
+    cfg = write_config(tmp_path, loss=loss, extra=extra)
+    cfg.write_text(cfg.read_text() + f'[reference]\nmodel = "{smollm2_f32}"\n')
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_reference_model_with_another_tokenizer_is_refused(tmp_path, gemma3):
+    cfg = write_config(tmp_path)
+    cfg.write_text(cfg.read_text() + f'[reference]\nmodel = "{gemma3}"\n')
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"reference.model {gemma3.name} and the base SmolLM2-135M-Instruct.Q4_1.gguf do not share a tokenizer" in r.stderr
+    assert "loading model" not in r.stdout  # refused before the base loads
+
+
+def test_a_reference_model_is_the_reference(tmp_path, tiny_model):
+    """[reference] model = a tiny random llama with SmolLM2's tokenizer: step 1's loss is no
+    longer log 2 (policy and reference differ), the log-probs are that model's, and it is loaded
+    once, only to score."""
+    train = [shout(w) for w in WORDS[:4]]
+    cfg_base = load_config(write_config(tmp_path, epochs=1, train=train))
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = write_config(other, epochs=1, train=train)
+    reference_model = tiny_model("llama")
+    cfg.write_text(cfg.read_text() + f'[reference]\nmodel = "{reference_model}"\n')
+    messages = []
+
+    class Collect(SilentReporter):
+        def message(self, text):
+            messages.append(text)
+
+    with_model = preference.run(load_config(cfg), Collect())
+    assert any(f"reference log-probs of 8 record(s) ([reference] model {reference_model.name})" in m for m in messages), messages
+    assert sum(f"reference model {reference_model.name} loaded" in m for m in messages) == 1
+    base = preference.run(cfg_base, SilentReporter())
+    assert base.losses[0] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at step 1
+    assert abs(with_model.losses[0] - math.log(2)) > 1e-2
+
+
+def test_kto_needs_two_records_per_step(tmp_path):
+    rows = [{"prompt": s["prompt"], "completion": s["chosen"], "label": True} for s in map(shout, WORDS[:4])]
+    cfg = write_config(tmp_path, loss="kto", train=rows, held_out=rows, extra="pairs_per_step = 1")
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 2 and "loss = 'kto' needs at least 2 records per step" in r.stderr, r.stderr
+    assert "a step holds 1" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_pairs_per_step_and_accumulation_exclude_each_other(tmp_path):
+    cfg = write_config(tmp_path, extra="pairs_per_step = 2")
+    cfg.write_text(cfg.read_text().replace("epochs = 3", "epochs = 3\ngradient_accumulation = 2"))
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 2 and "preference.pairs_per_step and training.gradient_accumulation both size a step" in r.stderr
 
 
 def test_kto_refuses_pairs(tmp_path):
@@ -330,7 +396,7 @@ def test_resume_repeats_the_run(tmp_path):
     for d in (straight, resumed):
         d.mkdir()
         write_config(d, epochs=2, train=[shout(w) for w in WORDS[:12]], extra="pairs_per_step = 4").write_text(
-            (d / "run.toml").read_text() + ckpt)
+            (d / "run.toml").read_text().replace("[training]", "[training]\nthreads_follow_load = false") + ckpt)
     whole = preference.run(load_config(straight / "run.toml"), SilentReporter())
     assert len(whole.losses) == 6
     first = preference.run(load_config(resumed / "run.toml"), SilentReporter())

@@ -11,10 +11,11 @@ SFT data is):
   unpaired (KTO)                   {"prompt": ..., "completion": ..., "label": true | false}
 
 An implicit prompt is the longest common prefix, as TRL splits it: the messages both
-conversations share (ending on a user or tool turn), or the text both strings share, backed
-up to the last space. A conversational record is rendered with the chat template and trains
+conversations share (ending on a user or tool turn), or the text both strings share, one
+character shorter when that character is a space. A conversational record is rendered with the chat template and trains
 the answer's assistant turns (its prose, calls and end-of-turn marker, as SFT does); a plain
-one is prompt + answer as one text plus the EOS token. An optional "tools" catalogue is
+one is prompt + answer as one text plus the EOS token, trained from the first token where
+it tokenizes differently from the prompt alone (TRL's rule). An optional "tools" catalogue is
 rendered into both. The prompt is shared: both answers must follow the same prompt tokens.
 A record whose answers are equal, empty, or longer than ctx with the prompt is an error
 naming `file:line`.
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retrograd.data.sft import TokenSequence, chat_example, data_container, plain_example
-from retrograd.data.shapes import Chat, Plain, count
+from retrograd.data.sft import TokenSequence, chat_example, data_container
+from retrograd.data.shapes import Chat, count
 from retrograd.data.tables import read_records
 from retrograd.data.template import ChatFormat
 from retrograd.errors import DataError
@@ -135,7 +136,7 @@ def _pair(record: dict[str, Any], where: str, path: Path, chat: ChatFormat, shap
     while shared < limit and c_ids[shared] == r_ids[shared]:
         shared += 1
     if shared == 0:
-        raise DataError(f"{where}: the chosen and rejected conversations share no prompt tokens")
+        raise DataError(f"{where}: the chosen and rejected answers share no prompt tokens")
     return Pair(tuple(c_ids[:shared]), TokenSequence(tuple(c_ids[shared:]), tuple(c_mask[shared:])),
                 TokenSequence(tuple(r_ids[shared:]), tuple(r_mask[shared:])), where)
 
@@ -157,7 +158,9 @@ def _encode(prompt, answer, where: str, path: Path, chat: ChatFormat, extra: dic
     if isinstance(answer, str):
         if not answer.strip():
             raise DataError(f'{where}: empty "{name}" answer')
-        return plain_example(chat, Plain(prompt, answer, {}), where)
+        if not prompt:
+            raise DataError(f'{where}: empty "prompt"')
+        return _plain(chat, prompt, answer, where)
     if not answer or not any(isinstance(m, dict) and m.get("role") == "assistant" for m in answer):
         raise DataError(f'{where}: "{name}" has no assistant turn to train')
     if not all(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in answer):
@@ -166,6 +169,23 @@ def _encode(prompt, answer, where: str, path: Path, chat: ChatFormat, extra: dic
     ids, mask = chat_example(path, chat, Chat(extra | {"messages": list(prompt) + list(answer)}, context), where)
     if not any(mask):
         raise DataError(f'{where}: empty "{name}" answer')
+    return ids, mask
+
+
+def _plain(chat: ChatFormat, prompt: str, answer: str, where: str) -> tuple[list[int], list[bool]]:
+    """prompt + answer as one text, no template, plus EOS; trained from the first token where it
+    and the prompt alone tokenize differently (TRL's rule: a token spanning the boundary is the
+    answer's, so an answer that starts mid-word trains that word)."""
+    ids, _ = chat.tokenize(prompt + answer, where)
+    alone, _ = chat.tokenize(prompt, where)
+    first = next((i for i, (a, b) in enumerate(zip(ids, alone)) if a != b), min(len(alone), len(ids)))
+    mask = [i >= max(first, 1) for i in range(len(ids))]
+    eos = chat.tokenizer.eos_id
+    if eos is not None and ids[-1] != eos:
+        ids.append(eos)
+        mask.append(True)
+    if not any(mask):
+        raise DataError(f"{where}: the answer adds no token to train after the prompt")
     return ids, mask
 
 

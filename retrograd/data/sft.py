@@ -111,7 +111,7 @@ def record_examples(path: Path, items, chat: ChatFormat, ctx: int) -> tuple[list
     examples, dropped, shortest = [], [], None
     for where, item in items:
         if isinstance(item, Plain):
-            ids, mask = plain_example(chat, item, where)
+            ids, mask = _plain_example(chat, item, where)
         else:
             ids, mask = chat_example(path, chat, item, where)
         if len(ids) > ctx:
@@ -137,7 +137,7 @@ def chat_example(path: Path, chat: ChatFormat, item: Chat, where: str) -> tuple[
     return encode_conversation(chat, conv, where, context_turns=item.context_turns)
 
 
-def plain_example(chat: ChatFormat, item: Plain, where: str) -> tuple[list[int], list[bool]]:
+def _plain_example(chat: ChatFormat, item: Plain, where: str) -> tuple[list[int], list[bool]]:
     ids, starts = chat.tokenize(item.prompt + item.completion, where)
     boundary = len(item.prompt.encode("utf-8"))
     mask = [False] + [start >= boundary for start in starts[1:]]

@@ -7,17 +7,18 @@ function returns the loss per pair and TRL's implicit rewards (its `rewards/chos
 `rewards/rejected` metrics), detached:
 
     dpo    m = beta (S_c - R_c) - beta (S_r - R_r)
-           L = -(1 - eps) log sigmoid(m) - eps log sigmoid(-m)        (eps: label smoothing)
+           L = -(1 - eps) log sigmoid(m) - eps log sigmoid(-m)        (eps: label smoothing, conservative
+           DPO as in the Rust retrograd and TRL before 1.x; TRL 1.16's sigmoid loss ignores it)
     ipo    h = (S_c - R_c) / n_c - (S_r - R_r) / n_r,   L = (h - 1 / (2 beta))^2
-    simpo  L = -log sigmoid(beta (l_c - l_r) - gamma_beta_ratio * beta)      (no reference)
+    simpo  L = -log sigmoid(beta (l_c - l_r) - gamma_beta_ratio * beta)      (no reference; TRL's CPO
+           loss "simpo" with cpo_alpha = 0 and simpo_gamma = gamma_beta_ratio * beta)
     orpo   z = (l_c - l_r) - (log(1 - e^l_c) - log(1 - e^l_r))
            L = -l_c - beta log sigmoid(z)                                     (no reference)
     kto    (one answer and a label) L = w_d (1 - sigmoid(beta (S - R - z0)))   desirable
                                     L = w_u (1 - sigmoid(beta (z0 - S + R)))   undesirable
            z0 = max(0, mean (S' - R')) over mismatched prompt/answer pairs, detached
 
-Rewards are beta (S - R) for dpo and kto, beta (S - R) / n for ipo, beta l for simpo and
-orpo. The mean loss of a step is the mean over its pairs (orpo's NLL term is each pair's
+Rewards are beta (S - R) for dpo, ipo and kto, beta l for simpo and orpo. The mean loss of a step is the mean over its pairs (orpo's NLL term is each pair's
 mean token NLL, the Rust retrograd's; TRL averages it over the tokens of the whole batch,
 which equals it for pairs of equal length).
 """
@@ -55,8 +56,8 @@ def dpo(p: PairLogps, beta: float, label_smoothing: float = 0.0) -> Loss:
 
 
 def ipo(p: PairLogps, beta: float) -> Loss:
-    chosen, rejected = (p.chosen - p.ref_chosen) / p.n_chosen, (p.rejected - p.ref_rejected) / p.n_rejected
-    loss = (chosen - rejected - 1 / (2 * beta)) ** 2
+    chosen, rejected = p.chosen - p.ref_chosen, p.rejected - p.ref_rejected
+    loss = (chosen / p.n_chosen - rejected / p.n_rejected - 1 / (2 * beta)) ** 2
     return loss, beta * chosen.detach(), beta * rejected.detach()
 
 

@@ -28,11 +28,15 @@ from retrograd.config import Config
 from retrograd.data import evenly_spaced
 from retrograd.data.preference import Labelled, Pair, load_preference
 from retrograd.errors import ConfigError
+from retrograd.model.base import load_model
 from retrograd.objectives.preference import PairLogps, kto, kto_reference_point, pair_loss
 from retrograd.recipes.common import open_chat, prepare, signature
+from retrograd.runtime.bundled import default_model_path
 from retrograd.runtime.memory import rss_bytes
+from retrograd.teacher import check_same_tokenizer
 from retrograd.training.batches import Group, LogprobOptions, batch_logprobs, epoch_plan, pack, plan_micro_batches
-from retrograd.training.checkpoint import check_signature, resume_point, step_name
+from retrograd.training.checkpoint import check_signature, file_fingerprint, resume_point, step_name
+from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink, run_record
 from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
 from retrograd.training.report import Reporter
@@ -70,6 +74,9 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     if cfg.evaluation is not None:
         held_out = evenly_spaced(load_preference(cfg.evaluation.data, chat, ctx=t.ctx, unpaired=unpaired,
                                                  data_format=pc.data_format).items, cfg.evaluation.max_examples)
+    if cfg.reference is not None:  # before the base loads, so that a wrong file stops at once
+        check_same_tokenizer(cfg.model.path or default_model_path(), cfg.reference.model, student_tokenizer=chat.tokenizer,
+                             names=("reference.model", "the base"))
     setup = prepare(cfg, reporter, chat)
     scorer = Scorer(setup, LogprobOptions.from_training(t, setup.model.spec.n_vocab))
     params = setup.adapter.parameters()
@@ -78,24 +85,34 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     plans = [epoch_plan(lengths, e, seed=cfg.lora.seed, shuffle=pc.shuffle, micro_batch=t.micro_batch,
                         accumulation=t.gradient_accumulation, items_per_step=pc.pairs_per_step) for e in range(t.epochs)]
     total_steps = sum(len(p) for p in plans)
+    smallest = min(sum(len(mb) for mb in step) for plan in plans for step in plan)
+    if unpaired and smallest < 2:
+        raise ConfigError(f"{cfg.path}: loss = 'kto' needs at least 2 records per step (its reference point pairs each prompt "
+                          f"with another record's answer), but a step holds {smallest}: set preference.pairs_per_step >= 2, "
+                          "or a larger training.micro_batch or gradient_accumulation")
     schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, total_steps, t.max_grad_norm)
     data_files = {"preference.data": pc.data} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
-    sig = signature(setup, data_files)
+    sig = signature(setup, data_files) | ({"reference.model": file_fingerprint(cfg.reference.model)} if cfg.reference else {})
     progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0,
-                "reference": None, "eval_reference": None, "warned_drop": False}
+                "reference": None, "eval_reference": None, "eval_sources": None, "warned_drop": False}
+    reference = Reference(setup, pc.reference, scorer.options, reporter)  # before a resume restores later weights
 
     checkpoint = resume_point(cfg, resume, reporter.message)
     if checkpoint is not None:
         check_signature(checkpoint, sig)
         progress = restore_state(checkpoint, setup, optimizer)
         reporter.message(f"resumed from {checkpoint.path} at step {progress['global_step']}")
-    reference = Reference(setup, pc.reference)
-    if progress["reference"] is None:  # also for simpo and orpo: the warning below compares with it
+    sources = [item.source for item in held_out]
+    if progress["reference"] is None or progress["eval_sources"] != sources:  # simpo, orpo too: the drop warning reads it
         t0 = time.perf_counter()
-        progress["reference"] = reference.score(scorer, items)
+        if progress["reference"] is None:
+            progress["reference"] = reference.score(scorer, items)
         progress["eval_reference"] = reference.score(scorer, held_out) if held_out else None
-        reporter.message(f"reference log-probs of {len(items) + len(held_out)} record(s) (adapter "
-                         f"{'off' if reference.is_base else 'as loaded'}) in {time.perf_counter() - t0:.1f} s")
+        progress["eval_sources"] = sources
+        reporter.message(f"reference log-probs of {len(items) + len(held_out)} record(s) ({reference.describe()}) in "
+                         f"{time.perf_counter() - t0:.1f} s")
+    if not unpaired:
+        reference.release()
     loss_name = {"dpo": "DPO", "ipo": "IPO", "simpo": "SimPO", "orpo": "ORPO", "kto": "KTO"}[pc.loss]
     reporter.message(f"preference ({loss_name}, beta {pc.strength:g}): {len(items)} {'answers' if unpaired else 'pairs'}, "
                      f"epochs={t.epochs}, steps_per_epoch={len(plans[0])}, steps={total_steps}")
@@ -103,6 +120,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsSink(run_record(cfg, "metrics.jsonl"), cfg.metrics.tensorboard_dir, append=checkpoint is not None)
     objective = Objective(cfg, scorer, reference)
+    duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)  # gaps for a shared GPU
 
     def save(name: str) -> Path:
         path = save_state(setup, optimizer, progress, sig, name)
@@ -125,13 +143,14 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 threads = setup.cpu.adjust()
                 t0 = time.perf_counter()
                 chosen = [i for mb in steps[k] for i in mb]
-                means = objective.step(items, steps[k], progress["reference"], len(chosen))
-                if not math.isfinite(means["loss"]):
-                    raise setup.diverged(f"step {step + 1}: the loss is {means['loss']} (not finite); stopped without "
-                                         "updating the adapter — try a lower training.lr")
-                grad_norm = clip_gradients(params, t.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                with duty.burst():
+                    means = objective.step(items, steps[k], progress["reference"], len(chosen))
+                    if not math.isfinite(means["loss"]):
+                        raise setup.diverged(f"step {step + 1}: the loss is {means['loss']} (not finite); stopped without "
+                                             "updating the adapter — try a lower training.lr")
+                    grad_norm = clip_gradients(params, t.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
                 elapsed = time.perf_counter() - t0
                 losses.append(means["loss"])
                 progress.update(global_step=step + 1, epoch=epoch, step_in_epoch=k + 1)
@@ -142,7 +161,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 reporter.advance(step + 1, f"loss={means['loss']:.4f} acc={means['rewards/accuracies']:.2f} lr={lr:.2e}")
                 if (step + 1) % row_every == 0 or step + 1 == total_steps:
                     reporter.row({"epoch": epoch + 1, "step": step + 1, "loss": means["loss"], "accuracy": means["rewards/accuracies"],
-                                  "margin": means["rewards/margins"], "lr": lr})
+                                  "margin": means.get("rewards/margins"), "lr": lr})
                 if cfg.checkpoint and cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
                     save(step_name(step + 1))
             progress.update(epoch=epoch + 1, step_in_epoch=0)
@@ -162,15 +181,17 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
 
 
 class Scorer:
-    """Summed log-probs of answers after their prompts, through the one packed-batch path."""
+    """Summed log-probs of answers after their prompts, through the one packed-batch path, by
+    the run's model (or another: a [reference] model)."""
 
-    def __init__(self, setup, options: LogprobOptions):
+    def __init__(self, setup, options: LogprobOptions, transformer=None):
         self.setup, self.options = setup, options
+        self.transformer = transformer or setup.model.transformer
 
     def sums(self, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (summed log-prob per member [M], trained tokens per member [M]), members in order."""
         batch = pack(groups, self.setup.device)
-        logprobs = batch_logprobs(self.setup.model.transformer, batch, self.options)
+        logprobs = batch_logprobs(self.transformer, batch, self.options)
         n = batch.n_sequences
         sums = torch.zeros(n, dtype=logprobs.dtype, device=logprobs.device).index_add(0, batch.sequence_index, logprobs)
         counts = torch.bincount(batch.sequence_index, minlength=n).to(logprobs.dtype)
@@ -195,15 +216,43 @@ def mismatched(items: list[Labelled]) -> list[Group]:
 
 
 class Reference:
-    """The reference policy: the base (adapter off), or the adapter as the run started."""
+    """The reference policy: the base (adapter off), the adapter as the run started, or a
+    [reference] model. That model is loaded only while it is needed: for the scores before
+    step 1, and for KTO's reference point at every step."""
 
-    def __init__(self, setup, which: str):
-        self.adapter = setup.adapter
-        self.is_base = which == "base" or setup.cfg.lora.init_adapter is None  # a fresh LoRA adds exactly zero
-        self.initial = None if self.is_base else [p.detach().clone() for p in self.adapter.parameters()]
+    def __init__(self, setup, which: str, options: LogprobOptions, reporter: Reporter):
+        cfg = setup.cfg
+        self.adapter, self.setup, self.options, self.reporter = setup.adapter, setup, options, reporter
+        self.model_path = cfg.reference.model if cfg.reference is not None else None
+        self.is_base = self.model_path is None and (which == "base" or cfg.lora.init_adapter is None)  # a fresh LoRA adds exactly zero
+        self.initial = None if self.is_base or self.model_path else [p.detach().clone() for p in self.adapter.parameters()]
+        self._scorer = None
+
+    def describe(self) -> str:
+        return f"[reference] model {self.model_path.name}" if self.model_path else f"adapter {'off' if self.is_base else 'as loaded'}"
+
+    def scorer(self, own: Scorer) -> Scorer:
+        """What scores the reference: the run's own model, or the [reference] model (loaded once)."""
+        if self.model_path is None:
+            return own
+        if self._scorer is None:
+            model = load_model(self.model_path, weights=self.setup.cfg.model.weights, compute_dtype=self.setup.precision,
+                               device=self.setup.device, tokenizer=self.setup.chat.tokenizer)
+            for p in model.transformer.parameters():
+                p.requires_grad_(False)
+            self.reporter.message(f"reference model {self.model_path.name} loaded ({model.weights_choice})")
+            self._scorer = Scorer(self.setup, self.options, model.transformer)
+        return self._scorer
+
+    def release(self) -> None:
+        """Free a [reference] model once nothing will score with it."""
+        self._scorer = None
 
     @contextmanager
     def active(self):
+        if self.model_path is not None:
+            yield
+            return
         if self.is_base:
             with self.adapter.disabled():
                 yield
@@ -222,7 +271,7 @@ class Reference:
     def score(self, scorer: Scorer, items) -> list[float]:
         """Summed reference log-probs: [chosen, rejected] per pair, or [answer] per KTO record, flat."""
         with self.active():
-            return scorer.without_grad([group(item) for item in items])
+            return self.scorer(scorer).without_grad([group(item) for item in items])
 
 
 class Objective:
@@ -261,7 +310,7 @@ class Objective:
         groups = mismatched(items)
         policy = torch.tensor(self.scorer.without_grad(groups))
         with self.reference.active():
-            ref = torch.tensor(self.scorer.without_grad(groups))
+            ref = torch.tensor(self.reference.scorer(self.scorer).without_grad(groups))
         return kto_reference_point(policy, ref)
 
     def _losses(self, items, ref: torch.Tensor | None, z0) -> tuple[torch.Tensor, dict]:
@@ -294,12 +343,14 @@ def _means(sums: dict, n: int) -> dict:
     """Per-record means with TRL's names: the chosen side over the chosen answers, the
     rejected over the rejected (KTO's counts differ), the margin their difference. KTO's
     accuracy is the share of answers whose implicit reward has its label's sign."""
-    chosen, rejected = max(sums["count/chosen"], 1.0), max(sums["count/rejected"], 1.0)
     out = {"loss": sums["loss"] / n, "rewards/accuracies": sums["rewards/accuracies"] / n,
-           "rewards/chosen": sums["rewards/chosen"] / chosen, "rewards/rejected": sums["rewards/rejected"] / rejected,
-           "logps/chosen": sums["logps/chosen"] / chosen, "logps/rejected": sums["logps/rejected"] / rejected}
-    return out | {"rewards/margins": out["rewards/chosen"] - out["rewards/rejected"],
-                  "drop/chosen": sums["drop/chosen"] / n, "drop/rejected": sums["drop/rejected"] / n}
+           "drop/chosen": sums["drop/chosen"] / n, "drop/rejected": sums["drop/rejected"] / n}
+    for side in ("chosen", "rejected"):  # a KTO step may hold one kind only: TRL then logs nothing for the other
+        if sums[f"count/{side}"]:
+            out |= {f"{metric}/{side}": sums[f"{metric}/{side}"] / sums[f"count/{side}"] for metric in ("rewards", "logps")}
+    if "rewards/chosen" in out and "rewards/rejected" in out:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
 
 
 def _watch_chosen_logps(progress: dict, chosen_drop: float, rejected_drop: float, limit: float, reporter: Reporter) -> None:

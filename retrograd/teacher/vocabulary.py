@@ -61,10 +61,12 @@ def tokenizer_fingerprint(path: Path) -> str:
     return read_vocabulary(path).fingerprint
 
 
-def check_same_tokenizer(student: Path, teacher: Path, *, student_tokenizer: Tokenizer | None = None) -> None:
-    """One ConfigError line naming the first difference between the two tokenizers."""
+def check_same_tokenizer(student: Path, teacher: Path, *, student_tokenizer: Tokenizer | None = None,
+                         names: tuple[str, str] = ("distill.teacher_path", "the student")) -> None:
+    """One ConfigError line naming the first difference between the two tokenizers; `names`
+    says what the second and the first file are."""
     a, b = GGUFFile(student), GGUFFile(teacher)
-    where = f"distill.teacher_path {teacher.name} and the student {student.name}"
+    where = f"{names[0]} {teacher.name} and {names[1]} {student.name}"
     n_a, n_b = read_spec(a).n_vocab, read_spec(b).n_vocab
     if n_a != n_b:  # before reading any vocabulary: Gemma's takes seconds
         raise ConfigError(f"{where} do not share a tokenizer: {n_b} vs {n_a} vocabulary entries")
