@@ -380,6 +380,18 @@ class Config:
     explicit: frozenset[str] = frozenset()  # "section.key" names the file set
     notes: tuple[str, ...] = ()  # one line per key accepted but ignored (ACCEPTED_WITH_NOTE)
 
+    def scratch_run(self, output: Path) -> Config:
+        """This run writing only `output` and its records beside it: no evaluation, checkpoints,
+        observation or TensorBoard (profile's and preflight's short runs)."""
+        return dataclasses.replace(
+            self,
+            output=dataclasses.replace(self.output, path=output),
+            evaluation=None,
+            checkpoint=None,
+            observe=None,
+            metrics=dataclasses.replace(self.metrics, tensorboard_dir=None),
+        )
+
     def with_overrides(self, *, model: Path | None = None, device: str | None = None) -> Config:
         """`--model` / `--device` win over the file (CLI paths are relative to the cwd)."""
         section = self.model

@@ -144,19 +144,6 @@ def _child(config_file: str, units: int | None, events_fd: int) -> None:
 # ----------------------------------------------------------------------------- the parent
 
 
-def probe_config(cfg: Config, scratch: Path) -> Config:
-    """The run as written, writing nothing but scratch files: no evaluation, checkpoints,
-    observation or TensorBoard."""
-    return dataclasses.replace(
-        cfg,
-        output=dataclasses.replace(cfg.output, path=scratch / "probe.gguf"),
-        evaluation=None,
-        checkpoint=None,
-        observe=None,
-        metrics=dataclasses.replace(cfg.metrics, tensorboard_dir=None),
-    )
-
-
 def run_probe(cfg: Config, budget: int, *, units: int | None = None, label: str = "as configured", rung: str = "",
               changes: tuple = (), on_event=None) -> Probe:
     """Run the recipe of `cfg` for `units` steps in a child process (a session of its own, so
@@ -164,7 +151,7 @@ def run_probe(cfg: Config, budget: int, *, units: int | None = None, label: str 
     bytes of host memory. A child the kernel killed, or that ran out of memory, did not fit."""
     with tempfile.TemporaryDirectory(prefix="retrograd-preflight-") as scratch:
         scratch = Path(scratch)
-        (scratch / "config.pickle").write_bytes(pickle.dumps(probe_config(cfg, scratch)))
+        (scratch / "config.pickle").write_bytes(pickle.dumps(cfg.scratch_run(scratch / "probe.gguf")))
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         log_path = scratch / "probe.log"

@@ -109,15 +109,7 @@ def shortened(cfg: Config, w: Workload, out_dir: Path) -> Config:
         section = recipe.with_new_tokens(section, w.max_new_tokens)
     if recipe.new_tokens(section) >= cfg.training.ctx:
         raise ConfigError(f"--max-new-tokens {recipe.new_tokens(section)} leaves no room for a prompt in training.ctx = {cfg.training.ctx}")
-    return dataclasses.replace(
-        cfg,
-        **{recipe.section: section},
-        output=dataclasses.replace(cfg.output, path=out_dir / "profile.gguf"),
-        evaluation=None,
-        checkpoint=None,
-        observe=None,
-        metrics=dataclasses.replace(cfg.metrics, tensorboard_dir=None),
-    )
+    return dataclasses.replace(cfg, **{recipe.section: section}).scratch_run(out_dir / "profile.gguf")
 
 
 def _pick(ours, short, configured):
