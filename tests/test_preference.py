@@ -380,11 +380,11 @@ def test_the_drop_warning_fires_once_when_both_answers_fall():
             messages.append(text)
 
     progress = {"warned_drop": False}
-    preference._watch_chosen_logps(progress, 2.5, -0.5, 2.0, Collect())  # rejected rose: the margin works as meant
-    preference._watch_chosen_logps(progress, 1.5, 3.0, 2.0, Collect())  # chosen within the limit
+    preference.watch_chosen_logps(progress, 2.5, -0.5, 2.0, Collect())  # rejected rose: the margin works as meant
+    preference.watch_chosen_logps(progress, 1.5, 3.0, 2.0, Collect())  # chosen within the limit
     assert messages == []
-    preference._watch_chosen_logps(progress, 2.5, 4.0, 2.0, Collect())
-    preference._watch_chosen_logps(progress, 3.5, 5.0, 2.0, Collect())
+    preference.watch_chosen_logps(progress, 2.5, 4.0, 2.0, Collect())
+    preference.watch_chosen_logps(progress, 3.5, 5.0, 2.0, Collect())
     assert len(messages) == 1 and "2.50 nats below where it started" in messages[0] and progress["warned_drop"]
 
 

@@ -107,6 +107,48 @@ def test_sft_resumes_under_torchrun(tmp_path, tiny_model):
         assert a["train/loss"] == b["train/loss"]
 
 
+def test_dpo_on_two_ranks_takes_the_one_rank_steps(tmp_path, tiny_model):
+    """Preference training: each rank scores its share of a step's pairs; the summed gradients
+    give the one-rank step, and the metrics (summed across ranks) the one-rank metrics."""
+    model = tiny_model("llama")
+    pairs = [{"prompt": f"Question {i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else " no",
+              "rejected": " no" if i % 2 == 0 else " yes"} for i in range(8)]
+    for name in ("one", "two"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+        (folder / "run.toml").write_text(f"""
+[run]
+algorithm = "preference"
+[model]
+path = "{model}"
+[output]
+path = "out/adapter.gguf"
+[lora]
+rank = 4
+alpha = 8.0
+dtype = "f32"
+[training]
+ctx = 64
+micro_batch = 16
+lr = 1e-3
+compute_dtype = "f32"
+threads = 1
+[preference]
+data = "pairs.jsonl"
+pairs_per_step = 4
+""")
+    train(tmp_path / "one", 1)
+    two = train(tmp_path / "two", 2)
+    one_rows, two_rows = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert len(one_rows) == len(two_rows) == 2
+    for a, b in zip(one_rows, two_rows):
+        for key in ("train/loss", "train/grad_norm", "rewards/margins", "logps/chosen"):
+            assert close(a[key], b[key]), (key, a[key], b[key])
+    assert one_rows[1]["train/loss"] != one_rows[0]["train/loss"]
+    assert two.stdout.count("done epoch=1 step=2") == 1 and (tmp_path / "two/out/adapter.gguf").is_file()
+
+
 def test_grpo_on_two_ranks_takes_the_one_rank_update(tmp_path, tiny_model):
     """Rank 0 samples; both ranks train on its rollouts, one group's micro-batch each."""
     model = tiny_model("llama")

@@ -8,6 +8,8 @@ computed once, before step 1, and kept in every checkpoint, so later epochs and 
 reuse them. A step is `gradient_accumulation` micro-batches of `training.micro_batch` tokens
 (or `pairs_per_step` pairs); its loss is the mean of its pairs' losses
 (objectives/preference.py), and the chunked log-prob kernel is the only place logits exist.
+Under torchrun a step's micro-batches are dealt out to the ranks and their gradients summed
+(training/distributed.py); every rank scores the references itself.
 KTO's reference point z0 comes from the step's own answers scored after other records'
 prompts (each prompt with the previous record's answer, as TRL pairs them), without
 gradients. Everything the next step depends on is in each checkpoint (exact resume).
@@ -16,7 +18,6 @@ gradients. Everything the next step depends on is in each checkpoint (exact resu
 from __future__ import annotations
 
 import math
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ from retrograd.runtime.memory import rss_bytes
 from retrograd.teacher import check_same_tokenizer
 from retrograd.training.batches import Group, LogprobOptions, batch_logprobs, epoch_plan, pack, plan_micro_batches
 from retrograd.training.checkpoint import check_signature, file_fingerprint, resume_point, step_name
+from retrograd.training.distributed import Ranks, init_ranks
 from retrograd.training.duty_cycle import for_device
-from retrograd.training.metrics import MetricsSink, run_record
+from retrograd.training.metrics import MetricsSink, NullMetrics, run_record
 from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
 from retrograd.training.report import Reporter
 from retrograd.training.state import restore_state, save_state, track_evaluation
@@ -63,8 +65,6 @@ class PreferenceResult:
 
 def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> PreferenceResult:
     t, pc = cfg.training, cfg.preference
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("algorithm = 'preference' does not run under torchrun yet: run it as one process")
     unpaired = pc.loss == "kto"
     chat = open_chat(cfg)
     data = load_preference(pc.data, chat, ctx=t.ctx, unpaired=unpaired, data_format=pc.data_format)
@@ -78,6 +78,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
         check_same_tokenizer(cfg.model.path or default_model_path(), cfg.reference.model, student_tokenizer=chat.tokenizer,
                              names=("reference.model", "the base"))
     setup = prepare(cfg, reporter, chat)
+    ranks = init_ranks(setup.device)
     scorer = Scorer(setup, LogprobOptions.from_training(t, setup.model.spec.n_vocab))
     params = setup.adapter.parameters()
     optimizer = build_optimizer(params, t.optimizer, t.lr, t.weight_decay)
@@ -118,11 +119,14 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                      f"epochs={t.epochs}, steps_per_epoch={len(plans[0])}, steps={total_steps}")
     out_dir = cfg.output.path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsSink(run_record(cfg, "metrics.jsonl"), cfg.metrics.tensorboard_dir, append=checkpoint is not None)
-    objective = Objective(cfg, scorer, reference)
+    metrics = (MetricsSink(run_record(cfg, "metrics.jsonl"), cfg.metrics.tensorboard_dir, append=checkpoint is not None)
+               if ranks.is_main else NullMetrics())
+    objective = Objective(cfg, scorer, reference, ranks)
     duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)  # gaps for a shared GPU
 
-    def save(name: str) -> Path:
+    def save(name: str) -> Path | None:
+        if not ranks.is_main:  # rank 0 writes for all: every rank holds the same adapter and optimizer
+            return None
         path = save_state(setup, optimizer, progress, sig, name)
         reporter.checkpoint(path)
         return path
@@ -145,6 +149,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 chosen = [i for mb in steps[k] for i in mb]
                 with duty.burst():
                     means = objective.step(items, steps[k], progress["reference"], len(chosen))
+                    ranks.sum_gradients(params)
                     if not math.isfinite(means["loss"]):
                         raise setup.diverged(f"step {step + 1}: the loss is {means['loss']} (not finite); stopped without "
                                              "updating the adapter — try a lower training.lr")
@@ -154,7 +159,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 elapsed = time.perf_counter() - t0
                 losses.append(means["loss"])
                 progress.update(global_step=step + 1, epoch=epoch, step_in_epoch=k + 1)
-                _watch_chosen_logps(progress, means.pop("drop/chosen"), means.pop("drop/rejected"), pc.logps_drop_warn, reporter)
+                watch_chosen_logps(progress, means.pop("drop/chosen"), means.pop("drop/rejected"), pc.logps_drop_warn, reporter)
                 metrics.log(step + 1, {f"train/{key}" if key == "loss" else key: v for key, v in means.items()} | {
                     "train/lr": lr, "train/grad_norm": grad_norm, "train/epoch": epoch + 1, "train/pairs_per_step": len(chosen),
                     "system/rss_bytes": rss_bytes(), "timing/step_seconds": elapsed, "system/threads": threads})
@@ -166,7 +171,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                     save(step_name(step + 1))
             progress.update(epoch=epoch + 1, step_in_epoch=0)
             if held_out and ((epoch + 1) % cfg.evaluation.every_iterations == 0 or epoch + 1 == t.epochs):
-                eval_metrics = objective.evaluate(held_out, progress["eval_reference"])
+                eval_metrics = ranks.broadcast(objective.evaluate(held_out, progress["eval_reference"]) if ranks.is_main else None)
                 metrics.log(progress["global_step"], eval_metrics | {"train/epoch": epoch + 1})
                 stop = _after_eval(cfg, progress, eval_metrics, epoch + 1, reporter, save)
                 reporter.row({"epoch": epoch + 1, "step": progress["global_step"], "eval_loss": eval_metrics["eval/loss"],
@@ -176,7 +181,8 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     finally:
         reporter.finish()
         metrics.close()
-    return PreferenceResult(setup.write_output(), progress["global_step"], progress["epoch"],
+    out = setup.write_output() if ranks.is_main else cfg.output.path
+    return PreferenceResult(out, progress["global_step"], progress["epoch"],
                             losses[-1] if losses else float("nan"), eval_metrics, tuple(losses))
 
 
@@ -277,19 +283,20 @@ class Reference:
 class Objective:
     """A step's (or an evaluation's) loss and TRL-named metrics, summed over its pairs."""
 
-    def __init__(self, cfg: Config, scorer: Scorer, reference: Reference):
-        self.pc, self.scorer, self.reference = cfg.preference, scorer, reference
+    def __init__(self, cfg: Config, scorer: Scorer, reference: Reference, ranks: Ranks):
+        self.pc, self.scorer, self.reference, self.ranks = cfg.preference, scorer, reference, ranks
         self.width = 1 if self.pc.loss == "kto" else 2  # reference values per record
 
     def step(self, items, micro_batches: list[list[int]], ref: list[float] | None, n_items: int) -> dict:
         z0 = self._reference_point([items[i] for mb in micro_batches for i in mb]) if self.pc.loss == "kto" else None
         sums = dict.fromkeys(SUMMED, 0.0)
-        for mb in micro_batches:
+        for j in self.ranks.share(micro_batches):  # every micro-batch on one rank; dealt out under torchrun
+            mb = micro_batches[j]
             loss, parts = self._losses([items[i] for i in mb], self._ref(ref, mb), z0)
             (loss.sum() / n_items).backward()
             for key, value in parts.items():
                 sums[key] += value
-        return _means(sums, n_items)
+        return _means(dict(zip(SUMMED, self.ranks.sum_floats([sums[key] for key in SUMMED]))), n_items)
 
     def evaluate(self, items, ref: list[float] | None) -> dict:
         z0 = self._reference_point(list(items)) if self.pc.loss == "kto" else None
@@ -353,7 +360,7 @@ def _means(sums: dict, n: int) -> dict:
     return out
 
 
-def _watch_chosen_logps(progress: dict, chosen_drop: float, rejected_drop: float, limit: float, reporter: Reporter) -> None:
+def watch_chosen_logps(progress: dict, chosen_drop: float, rejected_drop: float, limit: float, reporter: Reporter) -> None:
     """DPO's known failure: both answers become less likely than at the start, the chosen one
     by more than `limit` nats (the step's mean against its own pairs' log-probs before step 1).
     Said once; KTO records report no drop."""
