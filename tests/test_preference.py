@@ -269,6 +269,7 @@ def test_a_reference_model_with_another_tokenizer_is_refused(tmp_path, gemma3):
     assert "loading model" not in r.stdout  # refused before the base loads
 
 
+@pytest.mark.slow  # ~15 s
 def test_a_reference_model_is_the_reference(tmp_path, tiny_model):
     """[reference] model = a tiny random llama with SmolLM2's tokenizer: step 1's loss is no
     longer log 2 (policy and reference differ), the log-probs are that model's, and it is loaded
@@ -354,6 +355,7 @@ def test_dpo_on_smollm2_learns_a_preference_llama_cpp_confirms(tmp_path):
         assert after > before + 1.0 and after > 0
 
 
+@pytest.mark.slow  # ~26 s: the default suite trains DPO on SmolLM2 above
 @pytest.mark.parametrize("loss,extra", [("ipo", ""), ("simpo", ""), ("orpo", ""), ("dpo", 'reference = "base"\nlabel_smoothing = 0.1')])
 def test_every_paired_loss_trains(tmp_path, loss, extra):
     cfg = load_config(write_config(tmp_path, loss=loss, epochs=2, extra=extra, train=[shout(w) for w in WORDS[:8]]))
@@ -362,6 +364,7 @@ def test_every_paired_loss_trains(tmp_path, loss, extra):
     assert result.eval_metrics["eval/rewards/margins"] > 0
 
 
+@pytest.mark.slow  # ~22 s
 def test_kto_trains(tmp_path):
     rows = [{"prompt": s["prompt"], "completion": s["chosen"], "label": True} for s in map(shout, WORDS[:6])]
     rows += [{"prompt": s["prompt"], "completion": s["rejected"], "label": False} for s in map(shout, WORDS[6:12])]
@@ -388,6 +391,7 @@ def test_the_drop_warning_fires_once_when_both_answers_fall():
     assert len(messages) == 1 and "2.50 nats below where it started" in messages[0] and progress["warned_drop"]
 
 
+@pytest.mark.slow  # ~22 s
 def test_resume_repeats_the_run(tmp_path):
     """Killed after step 4 of 6 (the checkpoint is what a kill leaves), resumed: the same losses,
     the reference log-probs read from the checkpoint, not recomputed."""
