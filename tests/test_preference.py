@@ -57,6 +57,7 @@ dtype = "f32"
 [training]
 ctx = 128
 micro_batch = 256
+compute_dtype = "f32"
 epochs = {epochs}
 lr = {lr}
 [preference]

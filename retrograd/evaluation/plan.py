@@ -3,15 +3,17 @@
 Each answer is measured, not computed: a probe runs the run's own recipe in a child process,
 with the file's model, ctx, micro-batch, LoRA, dtypes and rollout shapes, for a few steps
 (updates, for rollout algorithms) and without evaluation, checkpoints or the real output. The
-parent samples the child's memory (its process tree's RSS) and stops it the moment it passes
-the budget: a run that does not fit is never allowed to exhaust the machine. The peak of the
+parent samples the child's memory (its process tree's RSS) every 20 ms and stops its whole
+session once it passes the budget; a child that runs out of memory or that the kernel kills
+did not fit either. The peak of the
 probe is the predicted peak; the mean time of the steps after the first is the predicted time
 per step.
 
 When the run does not fit, the planner climbs down the tuning guide's ladder, each rung from
-the file as written: a smaller training.micro_batch (SFT raises gradient_accumulation to keep
-the step's size), a lower training.generation_concurrency (rollout algorithms), gradient
-checkpointing with bf16 checkpoints; then all three together. It probes a rung's candidates
+the file as written: a smaller training.micro_batch (SFT, preference and offline distillation
+raise gradient_accumulation with it and stop at ctx, keeping the step's size), a lower
+training.generation_concurrency (rollout algorithms sampling here), gradient checkpointing with
+bf16 checkpoints; then all of them together. It probes a rung's candidates
 from the least to the most invasive and names the first that fits, with its measured numbers.
 """
 

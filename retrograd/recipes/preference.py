@@ -42,7 +42,7 @@ from retrograd.training.duty_cycle import for_device
 from retrograd.training.metrics import MetricsSink, NullMetrics, run_record
 from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
 from retrograd.training.report import Reporter
-from retrograd.training.state import restore_state, save_state, track_evaluation
+from retrograd.training.state import keep_best, restore_state, save_state
 
 SUMMED = ("loss", "rewards/accuracies", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected",
           "count/chosen", "count/rejected", "drop/chosen", "drop/rejected")
@@ -173,7 +173,9 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             if held_out and ((epoch + 1) % cfg.evaluation.every_iterations == 0 or epoch + 1 == t.epochs):
                 eval_metrics = ranks.broadcast(objective.evaluate(held_out, progress["eval_reference"]) if ranks.is_main else None)
                 metrics.log(progress["global_step"], eval_metrics | {"train/epoch": epoch + 1})
-                stop = _after_eval(cfg, progress, eval_metrics, epoch + 1, reporter, save)
+                line = (f"eval epoch {epoch + 1}: loss {eval_metrics['eval/loss']:.4f}  accuracy "
+                        f"{eval_metrics['eval/rewards/accuracies']:.3f}  margin {eval_metrics.get('eval/rewards/margins', math.nan):.3f}")
+                stop = keep_best(cfg, progress, eval_metrics["eval/loss"], line, reporter.message, save)
                 reporter.row({"epoch": epoch + 1, "step": progress["global_step"], "eval_loss": eval_metrics["eval/loss"],
                               "eval_acc": eval_metrics["eval/rewards/accuracies"]})
             if stop:
@@ -368,20 +370,3 @@ def watch_chosen_logps(progress: dict, chosen_drop: float, rejected_drop: float,
         progress["warned_drop"] = True
         reporter.message(f"warning: the chosen answers' log-prob is {chosen_drop:.2f} nats below where it started (the rejected "
                          "fell too): the model pushes both down; a lower training.lr or beta, or preference.loss = 'ipo', may help")
-
-
-def _after_eval(cfg: Config, progress: dict, ev: dict, epoch: int, reporter: Reporter, save) -> bool:
-    """Best-checkpoint bookkeeping and patience on the held-out loss; True stops training."""
-    outcome = track_evaluation(progress, ev["eval/loss"], higher_is_better=False, min_delta=cfg.evaluation.min_delta,
-                               patience=cfg.evaluation.patience)
-    line = (f"eval epoch {epoch}: loss {ev['eval/loss']:.4f}  accuracy {ev['eval/rewards/accuracies']:.3f}  "
-            f"margin {ev['eval/rewards/margins']:.3f}")
-    if outcome.improved:
-        saved = ""
-        if cfg.checkpoint and "best_eval" in cfg.checkpoint.mode:
-            save("best")
-            saved = " (saved best.gguf)"
-        reporter.message(f"{line}  best {ev['eval/loss']:.4f} ↓{saved}")
-    else:
-        reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{cfg.evaluation.patience or '∞'}")
-    return outcome.stop

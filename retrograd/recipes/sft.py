@@ -27,7 +27,7 @@ from retrograd.training.distributed import init_ranks
 from retrograd.training.metrics import MetricsSink, NullMetrics, run_record
 from retrograd.training.optim import Schedule, build_optimizer, clip_gradients
 from retrograd.training.report import Reporter
-from retrograd.training.state import restore_state, save_state, track_evaluation
+from retrograd.training.state import keep_best, restore_state, save_state
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,8 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             if eval_examples and ((epoch + 1) % cfg.evaluation.every_iterations == 0 or last_epoch):
                 eval_loss = ranks.broadcast(mean_loss(setup, eval_examples, options)[0] if ranks.is_main else None)
                 metrics.log(progress["global_step"], {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50.0)), "train/epoch": epoch + 1})
-                stop = _after_eval(cfg, progress, eval_loss, epoch + 1, reporter, save)
+                line = f"eval epoch {epoch + 1}: loss {eval_loss:.4f}  perplexity {math.exp(min(eval_loss, 50.0)):.2f}"
+                stop = keep_best(cfg, progress, eval_loss, line, reporter.message, save)
                 reporter.row({"epoch": epoch + 1, "step": progress["global_step"], "train_loss": losses[-1] if losses else None, "eval_loss": eval_loss, "lr": None, "tok/s": None})
             if stop:
                 break
@@ -173,20 +174,3 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
         tokens_per_second=tokens_done / time_spent if time_spent else 0.0,
         losses=tuple(losses),
     )
-
-
-def _after_eval(cfg: Config, progress: dict, eval_loss: float, epoch: int, reporter: Reporter, save) -> bool:
-    """Best-checkpoint bookkeeping and patience; returns True when training should stop."""
-    ev = cfg.evaluation
-    outcome = track_evaluation(progress, eval_loss, higher_is_better=False, min_delta=ev.min_delta, patience=ev.patience)
-    line = f"eval epoch {epoch}: loss {eval_loss:.4f}  perplexity {math.exp(min(eval_loss, 50.0)):.2f}"
-    if outcome.improved:
-        saved = ""
-        if cfg.checkpoint and "best_eval" in cfg.checkpoint.mode:
-            save("best")
-            saved = " (saved best.gguf)"
-        reporter.message(f"{line}  best {eval_loss:.4f} ↓{saved}")
-    else:
-        reporter.message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
-    return outcome.stop
-

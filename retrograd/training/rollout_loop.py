@@ -40,7 +40,7 @@ from retrograd.training.rollout_recipe import Batch, Evaluation, RolloutRecipe, 
 from retrograd.training.rollout_sources import AsyncSource, Delivery, RankSource, SyncSource
 from retrograd.training.rollout_step import PolicyOptimizer, TrainSample, UpdateResult, adapter_is_zero
 from retrograd.training.scoring import Rollout, micro_batch_logprobs
-from retrograd.training.state import restore_state, save_state, step_checkpoint_due, track_evaluation
+from retrograd.training.state import keep_best, restore_state, save_state, step_checkpoint_due
 from retrograd.training.timeline import PhaseClock, Timeline
 
 
@@ -309,20 +309,10 @@ class _Loop:
     def _evaluate(self, update: int) -> bool:
         """Log a held-out evaluation, keep the best checkpoint when asked, say so in one line.
         Returns True when patience has run out."""
-        ev = self.cfg.evaluation
         result = self.source.call(lambda: self.recipe.evaluate(update))
         self.metrics.log(self.progress["global_step"], result.metrics | {"train/update": update + 1})
-        outcome = track_evaluation(self.progress, result.value, higher_is_better=result.higher_is_better,
-                                   min_delta=ev.min_delta, patience=ev.patience)
-        if outcome.improved:
-            saved = ""
-            if self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
-                self._save("best")
-                saved = " (saved best.gguf)"
-            self.reporter.message(f"{result.line}  best {result.value:.4f} {'↑' if result.higher_is_better else '↓'}{saved}")
-        else:
-            self.reporter.message(f"{result.line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
-        return outcome.stop
+        return keep_best(self.cfg, self.progress, result.value, result.line, self.reporter.message, self._save,
+                         higher_is_better=result.higher_is_better)
 
     def _save(self, name: str) -> None:
         if not self.ranks.is_main:  # every rank holds the same adapter and optimizer: rank 0 writes

@@ -61,6 +61,23 @@ def track_evaluation(progress: dict, value: float, *, higher_is_better: bool, mi
     return EvalOutcome(False, best, stale, patience is not None and stale >= patience)
 
 
+def keep_best(cfg, progress: dict, value: float, line: str, message, save, *, higher_is_better: bool = False) -> bool:
+    """After a held-out evaluation: update best/stale in `progress`, save best.gguf when the
+    checkpoint mode asks and this is the best so far, say `line` with the best and staleness.
+    Returns True when patience has run out."""
+    ev = cfg.evaluation
+    outcome = track_evaluation(progress, value, higher_is_better=higher_is_better, min_delta=ev.min_delta, patience=ev.patience)
+    if outcome.improved:
+        saved = ""
+        if cfg.checkpoint and "best_eval" in cfg.checkpoint.mode:
+            save("best")
+            saved = " (saved best.gguf)"
+        message(f"{line}  best {value:.4f} {'↑' if higher_is_better else '↓'}{saved}")
+    else:
+        message(f"{line}  best {outcome.best:.4f}, stale {outcome.stale}/{ev.patience or '∞'}")
+    return outcome.stop
+
+
 class RecipeLoop:
     """Checkpoint saving for a loop object (offline distillation) that sets cfg, setup,
     optimizer, progress, signature and reporter; the rollout recipes' loop is

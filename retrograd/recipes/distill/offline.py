@@ -54,7 +54,7 @@ from retrograd.training.metrics import MetricsSink, run_record
 from retrograd.training.optim import Schedule, build_optimizer
 from retrograd.training.report import Reporter
 from retrograd.training.scoring import Rollout
-from retrograd.training.state import RecipeLoop, restore_state, track_evaluation
+from retrograd.training.state import RecipeLoop, keep_best, restore_state
 
 SIDECAR_CHUNK = 64  # corpus examples scored per teacher call while writing a sidecar
 
@@ -324,17 +324,11 @@ class OfflineLoop(RecipeLoop):
     def _evaluate(self, epoch: int, metrics: MetricsSink) -> bool:
         """The student's loss on the held-out data's own tokens; best checkpoint and patience.
         Returns True to stop early."""
-        ev = self.cfg.evaluation
         loss, _ = mean_loss(self.setup, self.eval_examples, self.options)
         metrics.log(
             self.progress["global_step"],
             {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "train/epoch": epoch + 1},
         )
-        outcome = track_evaluation(
-            self.progress, loss, higher_is_better=False, min_delta=ev.min_delta, patience=ev.patience
-        )
-        if outcome.improved and self.cfg.checkpoint and "best_eval" in self.cfg.checkpoint.mode:
-            self.save("best")
         self.reporter.row(
             {
                 "epoch": epoch + 1,
@@ -345,8 +339,4 @@ class OfflineLoop(RecipeLoop):
                 "tok/s": None,
             }
         )
-        self.reporter.message(
-            f"eval epoch {epoch + 1}: loss {loss:.4f}  best {outcome.best:.4f}"
-            + ("" if outcome.improved else f", stale {outcome.stale}/{ev.patience or '∞'}")
-        )
-        return outcome.stop
+        return keep_best(self.cfg, self.progress, loss, f"eval epoch {epoch + 1}: loss {loss:.4f}", self.reporter.message, self.save)
