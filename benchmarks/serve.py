@@ -19,7 +19,10 @@ token of text; decode tokens/s counts the tokens after the first over the time a
 first. HTTP sides read the streamed chunks with httpx, one chunk per token. The adapter is
 rank 8 on all seven projection families with non-zero B (as after training). Ratios are
 ours over raw for tokens/s and raw over ours for TTFT: the goal is >= 90% for both.
-About 1 minute on 2 cores.
+Structured outputs: the same prompts answered under a JSON schema (the story as one JSON
+string) beside the unconstrained reply (goal: >= 80% of its decode tok/s), and `--judge-tries`
+seeded pairwise-judge requests under a schema at temperature 1 (goal: every reply valid).
+About 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ QUESTIONS = (
 )
 FAMILIES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 N_CTX = 2048
+JUDGE_SCHEMA = {
+    "type": "object",
+    "properties": {"winner": {"enum": ["a", "b"]}, "reason": {"type": "string", "maxLength": 200}},
+    "required": ["winner", "reason"],
+}
+STORY_SCHEMA = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
 
 
 def trained_adapter(model: Path, path: Path, rank: int = 8) -> Path:
@@ -97,9 +106,9 @@ def raw_side(model: Path, lora: Path | None, threads: int):
     return run, llm.close
 
 
-def http_side(url: str, model: str):
+def http_side(url: str, model: str, **extra):
     def run(chat: list[dict], max_tokens: int) -> tuple[float, float, int]:
-        body = {"model": model, "messages": chat, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        body = {"model": model, "messages": chat, "max_tokens": max_tokens, "temperature": 0, "stream": True} | extra
         stamps = []
         start = time.perf_counter()
         with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=600) as response:
@@ -113,6 +122,27 @@ def http_side(url: str, model: str):
         return _timings(start, stamps)
 
     return run
+
+
+def judge_tries(url: str, tries: int) -> tuple[int, float]:
+    """How many of `tries` seeded pairwise-judge requests under a JSON schema answer JSON that
+    validates, and the mean seconds per request."""
+    import jsonschema
+
+    valid, start = 0, time.perf_counter()
+    for seed in range(tries):
+        question = QUESTIONS[seed % len(QUESTIONS)]
+        prompt = (f"Question: {question}\nAnswer a: I do not know.\nAnswer b: Here is a careful answer.\n"
+                  "Which answer is better? Reply with JSON: the winner and a short reason.")
+        body = {"model": "base", "messages": [{"role": "user", "content": prompt}], "temperature": 1.0, "seed": seed,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "verdict", "schema": JUDGE_SCHEMA}}}
+        reply = httpx.post(f"{url}/chat/completions", json=body, timeout=600).json()
+        try:
+            jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), JUDGE_SCHEMA)
+            valid += 1
+        except (ValueError, KeyError, jsonschema.ValidationError):
+            pass
+    return valid, (time.perf_counter() - start) / tries
 
 
 def _timings(start: float, stamps: list[float]) -> tuple[float, float, int]:
@@ -148,6 +178,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--judge-tries", type=int, default=100, help="seeded pairwise-judge requests under a schema")
     args = parser.parse_args()
     model = args.model or default_model_path()
     folder = Path(tempfile.mkdtemp(prefix="serve-bench-"))
@@ -215,13 +246,16 @@ def main() -> None:
         except ImportError:
             print("llama_cpp.server is not installed (pip install 'llama-cpp-python[server]'): its sides are skipped")
         sides["retrograd serve"] = ("chat", http_side(ours_url, "base"))
-        sides["retrograd serve + adapter"] = ("chat", http_side(ours_url, "adapter"))
+        schema = {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY_SCHEMA}}
+        sides["retrograd serve, JSON schema"] = ("chat", http_side(ours_url, "base", response_format=schema))
+        sides["retrograd serve + adapter"] = ("chat", http_side(ours_url, "adapter"))  # after: switching costs
 
         results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in sides}
         http_side(ours_url, "base")(messages(0), 4)  # warm-up of both processes' first request
         for r in range(args.repeats):
             for name, (kind, run) in sides.items():
                 results[name].append(run(prompts[r] if kind == "tokens" else messages(r), args.max_tokens))
+        judged = judge_tries(ours_url, args.judge_tries) if args.judge_tries else None
     finally:
         for process in servers:
             process.terminate()
@@ -248,11 +282,16 @@ def main() -> None:
         ("retrograd serve + adapter", "raw + adapter"),
         ("retrograd serve", "llama_cpp.server"),
         ("retrograd serve + adapter", "llama_cpp.server + adapter"),
+        ("retrograd serve, JSON schema", "retrograd serve"),
     ):
         if peer in best:
             print(
                 f"{ours + ' / ' + peer:<44}{best[peer][0] / best[ours][0]:>8.0%}{best[ours][1] / best[peer][1]:>8.0%}"
             )
+    print("(JSON schema / unconstrained: the story as one JSON string, grammar-constrained; goal tok/s >= 80%)")
+    if judged:
+        print(f"\npairwise judge under a JSON schema, temperature 1, seeds 0..{args.judge_tries - 1}: "
+              f"{judged[0]} of {args.judge_tries} replies valid, {judged[1]:.2f} s per request (goal: all valid)")
 
 
 if __name__ == "__main__":

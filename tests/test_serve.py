@@ -223,7 +223,7 @@ BAD_REQUESTS = [
     ("unknown model", {"model": "gpt-4", "messages": QUESTION}, 404, "model"),
     ("string max_tokens", {"model": "base", "messages": QUESTION, "max_tokens": "5"}, 400, "max_tokens"),
     ("n > 1", {"model": "base", "messages": QUESTION, "n": 2}, 400, "n"),
-    ("unknown field", {"model": "base", "messages": QUESTION, "tools": []}, 400, "tools"),
+    ("unknown field", {"model": "base", "messages": QUESTION, "functions": []}, 400, "functions"),
     ("bad role", {"model": "base", "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
     ("prompt too long", {"model": "base", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
     ("stops too long", {"model": "base", "messages": QUESTION, "stop": ["x", "y" * MAX_STOP_CHARACTERS]}, 400, "stop"),

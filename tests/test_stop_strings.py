@@ -1,4 +1,4 @@
-"""Stop strings (retrograd.serving.inference._StopStrings): the reply is cut before the first stop
+"""Stop strings (retrograd.serving.inference.StopStrings): the reply is cut before the first stop
 string, whatever pieces the text arrives in, and checking a piece costs time linear in the
 piece, not in the stops' length (`serve` runs it while every other request waits)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from retrograd.serving.inference import _StopStrings
+from retrograd.serving.inference import StopStrings
 
 
 def naive(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool]:
@@ -25,7 +25,7 @@ def naive(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool]:
 
 
 def streamed(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool]:
-    cutter, out = _StopStrings(stops), []
+    cutter, out = StopStrings(stops), []
     for piece in pieces:
         text, stopped = cutter.feed(piece)
         out.append(text)
@@ -63,7 +63,7 @@ class CountedStr(str):
 
 def test_a_long_stop_costs_linear_work_not_its_length_per_piece():
     stop = CountedStr("a" * 4999 + "b")
-    cutter, CountedStr.reads = _StopStrings((stop,)), 0
+    cutter, CountedStr.reads = StopStrings((stop,)), 0
     for _ in range(200):
         assert cutter.feed("a") == ("", False)  # each "a" might still begin the stop
     # linear: a few reads per stop character (set-up) and per character fed; checking each

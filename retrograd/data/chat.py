@@ -96,6 +96,14 @@ def tool_style(chat: ChatFormat, conv: Conversation) -> ToolStyle:
     return HERMES if conv.has_tools and not chat.native_tools else NATIVE
 
 
+def render_prompt(chat: ChatFormat, conv: Conversation, where: str) -> str:
+    """The conversation up to an open assistant header, rendered as tool records are: the
+    catalogue and observations through the template when it passes the native probe, else
+    with the Hermes convention (what agent rollouts and `serve` prompt the model with)."""
+    messages, tools = tool_style(chat, conv).messages(conv)
+    return chat.render(messages, tools=tools, add_generation_prompt=True, where=where)
+
+
 def encode_conversation(
     chat: ChatFormat, conv: Conversation, where: str, *, context_turns: int = 0
 ) -> tuple[list[int], list[bool]]:

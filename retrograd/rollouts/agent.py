@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from retrograd.data import ChatFormat, tools as hermes
-from retrograd.data.chat import tool_style
+from retrograd.data.chat import render_prompt
 from retrograd.data.messages import Conversation
 from retrograd.data.template import TemplateBudgetError
 from retrograd.data.tools import ERROR_PREFIX, ToolCall
@@ -218,13 +218,9 @@ class _Live:
 
 
 def render(chat: ChatFormat, scenario: Scenario, messages: list[dict], calls: list[tuple[ToolCall, ...]]) -> str:
-    """The conversation so far, up to an open assistant header, as retrograd.data renders
-    tool records: the catalogue and observations through the template when it passes the
-    native probe, else with the Hermes convention."""
+    """The conversation so far, up to an open assistant header (retrograd.data.chat.render_prompt)."""
     specs = tuple(scenario.toolset.specs()) if scenario.toolset else ()
-    conversation = Conversation(tuple(messages), specs, tuple(calls))
-    rendered, tools = tool_style(chat, conversation).messages(conversation)
-    return chat.render(rendered, tools=tools, add_generation_prompt=True, where=scenario.source)
+    return render_prompt(chat, Conversation(tuple(messages), specs, tuple(calls)), scenario.source)
 
 
 def scenario_prompt(chat: ChatFormat, scenario: Scenario) -> tuple[str, tuple[int, ...]]:

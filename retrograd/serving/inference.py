@@ -19,7 +19,10 @@ Decoding steps one token at a time, as llama.cpp's own generation does; temperat
 greedy (the first most likely token, as llama.cpp's greedy sampler), otherwise
 retrograd.sampler's draw with its own numpy Generator, seeded when the caller gives a seed.
 Generation stops at any end-of-generation token of the vocabulary, at the token the chat
-template closes an assistant turn with, at a stop string, or at the token budget.
+template closes an assistant turn with, at a stop string, or at the token budget. With a
+grammar (`Settings.grammar`, GBNF) every token is one the grammar allows, drawn as
+retrograd/sampler/grammar.py says, and the reply ends once the grammar is complete and the
+model ends it.
 """
 
 from __future__ import annotations
@@ -36,12 +39,15 @@ from typing import Self
 import numpy as np
 
 from retrograd.data import ChatFormat, resolve_chat_template
+from retrograd.data.chat import render_prompt
+from retrograd.data.messages import parse_conversation
 from retrograd.errors import DataError, GGUFError
 from retrograd.gguf.adapter import read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.runtime.llamacpp import C
 from retrograd.sampler.engine import Engine, Feed
+from retrograd.sampler.grammar import Grammar, constrained_pick
 from retrograd.sampler.sampler import PREFILL_CHUNK
 from retrograd.sampler.sampling import Sampling, sample_token
 
@@ -63,6 +69,7 @@ class Settings:
     top_p: float = 1.0
     seed: int | None = None  # None: fresh entropy
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
+    grammar: str | None = None  # GBNF the reply must follow (retrograd.sampler.grammar); it ends when complete
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -149,10 +156,16 @@ class Inference:
                 "name one with --chat-template (chatml, gemma or a Jinja file)"
             )
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` rendered by the model's chat template, ready for the reply."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` rendered by the model's chat template, ready for the reply.
+        A conversation with tools (a catalogue, assistant `tool_calls`, `tool` messages) is
+        checked and rendered as tool records are (retrograd.data.chat.render_prompt)."""
         self.require_chat_template()
-        text = self.chat.render(messages, add_generation_prompt=True, where="chat")
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            conversation = parse_conversation({"messages": messages, "tools": tools or []}, "messages")
+            text = render_prompt(self.chat, conversation, "chat")
+        else:
+            text = self.chat.render(messages, add_generation_prompt=True, where="chat")
         return self.chat.tokenize(text, "chat")[0]
 
     def text_prompt(self, text: str) -> list[int]:
@@ -172,7 +185,10 @@ class Inference:
         if room < 1:
             raise ContextFull(f"the prompt is {len(prompt)} tokens; the context holds {self.n_ctx}")
         budget = room if settings.max_tokens is None else min(settings.max_tokens, room)
-        return Generation(self, name, list(prompt), settings, budget)
+        grammar = None
+        if settings.grammar is not None:  # compiled now: a grammar llama.cpp cannot parse fails the request
+            grammar = Grammar(self.engine.vocab, self.engine.n_vocab, settings.grammar)
+        return Generation(self, name, list(prompt), settings, budget, grammar)
 
     def _prefill(self, name: str, prompt: list[int]) -> tuple[np.ndarray, int]:
         """Logits after the last prompt token, decoding only what `name`'s cache lacks, and
@@ -235,9 +251,12 @@ class Generation:
     next call; so does setting `cancelled` (from any thread), which ends the iteration
     before its next token with `finish_reason` None."""
 
-    def __init__(self, inference: Inference, name: str, prompt: list[int], settings: Settings, budget: int):
+    def __init__(
+        self, inference: Inference, name: str, prompt: list[int], settings: Settings, budget: int,
+        grammar: Grammar | None,
+    ):
         self.inference, self.name, self.prompt, self.settings = inference, name, prompt, settings
-        self.budget = budget
+        self.budget, self.grammar = budget, grammar
         self.prompt_tokens = len(prompt)
         self.reused = 0  # prompt tokens whose KV was already cached
         self.completion_tokens = 0
@@ -250,12 +269,22 @@ class Generation:
         sampling = Sampling(self.budget, s.temperature, s.top_p) if s.temperature > 0 else None
         rng = np.random.default_rng(s.seed)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        stops = _StopStrings(s.stop)
+        stops = StopStrings(s.stop)
+        def pick(logits: np.ndarray) -> int:
+            return int(np.argmax(logits)) if sampling is None else sample_token(logits, sampling, rng)[0]
+
         row, self.reused = inf._prefill(self.name, self.prompt)
         while True:
             if self.cancelled.is_set():
                 return
-            token = int(np.argmax(row)) if sampling is None else sample_token(row, sampling, rng)[0]
+            if self.grammar is None:
+                token = pick(row)
+            else:  # the grammar allows an end-of-generation token only once it is complete
+                token = constrained_pick(row, self.grammar, pick, greedy=sampling is None)
+                if token is None or token in inf.engine.eog_ids:
+                    self.finish_reason = "stop"
+                    break
+                self.grammar.accept(token)
             if token in inf.stop_ids:
                 self.finish_reason = "stop"
                 break
@@ -284,7 +313,7 @@ class Generation:
         return self.text
 
 
-class _StopStrings:
+class StopStrings:
     """Cuts a text stream before the first stop string, holding back a tail that might
     still become one. Each stop is matched as the text streams by, one character at a time
     (Knuth-Morris-Pratt), so a piece costs time linear in its length and the held tail,

@@ -9,8 +9,12 @@ event loop always answers) that stops at the next token once the client goes awa
 front, http_guard's Guard: 401 without the API key when there is one, 413 for a body over
 `max_request_bytes`. Every refusal has OpenAI's error shape, `{"error": {"message", "type",
 "param", "code"}}`, with a 4xx status for a bad request; unknown request fields and
-parameters we do not implement (n > 1, logprobs, tools, penalties, ...) are refused rather
-than ignored. A 500 says only that something failed; the details go to stderr.
+parameters we do not implement (n > 1, logprobs, penalties, ...) are refused rather than
+ignored. A 500 says only that something failed; the details go to stderr.
+
+`response_format` (JSON object or JSON schema) and `tools` / `tool_choice` are enforced while
+sampling, with a grammar (retrograd/serving/structured.py); a schema the grammar cannot
+enforce is refused with a 400 naming the keyword.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from starlette.exceptions import HTTPException
 
 from retrograd.errors import DataError
 from retrograd.runtime.http_guard import Guard
+from retrograd.sampler.grammar import GrammarError, SchemaError
 from retrograd.serving.inference import Generation, Inference, Settings
+from retrograd.serving.structured import JSON_OBJECT, Calls, ContentStream, reply_grammar, split_reply
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARACTERS = 1000  # in all of a request's stop strings
@@ -70,16 +76,86 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's form)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
         """`developer` is OpenAI's newer name for `system`; text parts are joined."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # always enforced
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = JSON_OBJECT
+    strict: bool | None = None  # always enforced
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+    def schema_for_reply(self) -> dict[str, Any] | None:
+        """The schema the reply must follow; None for free text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return JSON_OBJECT
+        if self.json_schema is None:
+            raise APIError(400, 'response_format: type "json_schema" needs "json_schema": {"name", "schema"}',
+                           param="response_format")
+        return self.json_schema.schema_
 
 
 class _Request(BaseModel):
@@ -99,6 +175,7 @@ class _Request(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("n")
     @classmethod
@@ -130,14 +207,23 @@ class _Request(BaseModel):
             raise ValueError(f"stop strings of at most {MAX_STOP_CHARACTERS} characters in all")
         return stop
 
+    def calls(self) -> Calls | None:
+        return None
+
     def settings(self, max_tokens: int | None) -> Settings:
+        """How the reply is sampled; a 400 when its response_format or tools cannot be enforced."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            grammar = reply_grammar(self.response_format and self.response_format.schema_for_reply(), self.calls())
+        except SchemaError as e:
+            raise APIError(400, str(e), param="tools" if str(e).startswith("tools") else "response_format") from None
         return Settings(
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
             stop=stop,
+            grammar=grammar,
         )
 
 
@@ -146,6 +232,29 @@ class ChatRequest(_Request):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: Literal[False] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def calls(self) -> Calls | None:
+        """The request's tools as structured.Calls; a 400 for a tool_choice that names none of them."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise APIError(400, "tool_choice: the request offers no tools", param="tool_choice")
+            return None
+        functions = {tool.function.name: tool.function.parameters or JSON_OBJECT for tool in self.tools}
+        if len(functions) < len(self.tools):
+            raise APIError(400, "tools: two functions share a name", param="tools")
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            if name not in functions:
+                raise APIError(400, f"tool_choice: {name!r} is not among the tools", param="tool_choice")
+            return Calls({name: functions[name]}, forced=True, parallel=False)  # one call of it, as OpenAI's
+        return Calls(functions, forced=choice == "required", parsed=choice != "none", parallel=self.parallel_tool_calls)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
 
 class CompletionRequest(_Request):
@@ -162,7 +271,7 @@ class CompletionRequest(_Request):
 
 class _Reply:
     """How one endpoint's replies look, whole (`whole`) and as stream chunks (`first`,
-    `piece` per text piece, `last` with the finish reason, `usage_chunk`)."""
+    `pieces` per text piece, `last` with the finish reason, `usage_chunk`)."""
 
     def __init__(self, model: str, generation: Generation, kind: str):
         self.id = f"{kind}-{uuid.uuid4().hex}"
@@ -189,8 +298,9 @@ class _Reply:
 
 
 class ChatReply(_Reply):
-    def __init__(self, model: str, generation: Generation):
+    def __init__(self, model: str, generation: Generation, calls: Calls | None = None):
         super().__init__(model, generation, "chatcmpl")
+        self.calls, self.content, self.streamed = calls, ContentStream(calls), 0
 
     def _chunk(self, delta: dict, finish: str | None = None) -> dict:
         return self._envelope(
@@ -200,21 +310,32 @@ class ChatReply(_Reply):
     def first(self) -> dict:
         return self._chunk({"role": "assistant", "content": ""})
 
-    def piece(self, text: str) -> dict:
-        return self._chunk({"content": text})
+    def pieces(self, text: str) -> list[dict]:
+        text = self.content.feed(text)
+        self.streamed += len(text)
+        return [self._chunk({"content": text})] if text else []
 
-    def last(self) -> dict:
-        return self._chunk({}, self.generation.finish_reason)
+    def last(self) -> list[dict]:
+        """What the stream held back: the tool calls, or the rest of the content; then the finish."""
+        g = self.generation
+        _, tool_calls = split_reply(g.text, self.calls)
+        if tool_calls:
+            calls = [self._chunk({"tool_calls": [{"index": i} | call]}) for i, call in enumerate(tool_calls)]
+            return [*calls, self._chunk({}, "tool_calls")]
+        rest = g.text[self.streamed :]
+        return [*([self._chunk({"content": rest})] if rest else []), self._chunk({}, g.finish_reason)]
 
     def usage_chunk(self) -> dict:
         return self._envelope("chat.completion.chunk", [], usage=self.usage())
 
     def whole(self) -> dict:
         g = self.generation
-        message = {"role": "assistant", "content": g.text}
+        content, tool_calls = split_reply(g.text, self.calls)
+        message = {"role": "assistant", "content": content} | ({"tool_calls": tool_calls} if tool_calls else {})
+        finish = "tool_calls" if tool_calls else g.finish_reason
         return self._envelope(
             "chat.completion",
-            [{"index": 0, "message": message, "logprobs": None, "finish_reason": g.finish_reason}],
+            [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
             usage=self.usage(),
         )
 
@@ -229,11 +350,11 @@ class TextReply(_Reply):
     def first(self) -> None:
         return None
 
-    def piece(self, text: str) -> dict:
-        return self._envelope("text_completion", self._choice(text, None))
+    def pieces(self, text: str) -> list[dict]:
+        return [self._envelope("text_completion", self._choice(text, None))]
 
-    def last(self) -> dict:
-        return self._envelope("text_completion", self._choice("", self.generation.finish_reason))
+    def last(self) -> list[dict]:
+        return [self._envelope("text_completion", self._choice("", self.generation.finish_reason))]
 
     def usage_chunk(self) -> dict:
         return self._envelope("text_completion", [], usage=self.usage())
@@ -271,6 +392,8 @@ def create_app(inference: Inference, *, api_key: str | None, max_request_bytes: 
     def generation_of(name: str, prompt: list[int], settings: Settings, param: str) -> Generation:
         try:
             return inference.generate(name, prompt, settings)
+        except GrammarError as e:
+            raise APIError(400, str(e), param="response_format") from None
         except DataError as e:
             raise APIError(400, str(e), param=param) from None
 
@@ -284,9 +407,9 @@ def create_app(inference: Inference, *, api_key: str | None, max_request_bytes: 
             watching.cancel_scope.cancel()
         return reply.whole()
 
-    def chat_prompt(messages: list[Message]) -> list[int]:
+    def chat_prompt(request: ChatRequest) -> list[int]:
         try:
-            return inference.chat_prompt([m.for_template() for m in messages])
+            return inference.chat_prompt([m.for_template() for m in request.messages], request.template_tools())
         except DataError as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -309,16 +432,19 @@ def create_app(inference: Inference, *, api_key: str | None, max_request_bytes: 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest, http_request: Request):
         name = model_name(request.model)
-        prompt = await anyio.to_thread.run_sync(chat_prompt, request.messages)  # the event loop keeps answering
         max_tokens = request.max_completion_tokens or request.max_tokens
-        generation = generation_of(name, prompt, request.settings(max_tokens), "messages")
-        return await respond(http_request, request, ChatReply(name, generation))
+        # off the event loop, which keeps answering: a long schema or prompt takes a while
+        settings = await anyio.to_thread.run_sync(request.settings, max_tokens)
+        prompt = await anyio.to_thread.run_sync(chat_prompt, request)
+        generation = generation_of(name, prompt, settings, "messages")
+        return await respond(http_request, request, ChatReply(name, generation, request.calls()))
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http_request: Request):
         name = model_name(request.model)
+        settings = await anyio.to_thread.run_sync(request.settings, request.max_tokens)
         prompt = await anyio.to_thread.run_sync(text_prompt, request.prompt)
-        generation = generation_of(name, prompt, request.settings(request.max_tokens), "prompt")
+        generation = generation_of(name, prompt, settings, "prompt")
         return await respond(http_request, request, TextReply(name, generation))
 
     @app.exception_handler(APIError)
@@ -443,8 +569,10 @@ async def _events(reply: _Reply, lock: threading.Lock, closing: threading.Event,
                 logging.getLogger("uvicorn.error").error("generation failed", exc_info=item)
                 yield {"data": json.dumps(error_body(INTERNAL_ERROR, kind="server_error"))}
                 return
-            yield {"data": json.dumps(reply.piece(item))}
-        yield {"data": json.dumps(reply.last())}
+            for chunk in reply.pieces(item):
+                yield {"data": json.dumps(chunk)}
+        for chunk in reply.last():
+            yield {"data": json.dumps(chunk)}
         if include_usage:
             yield {"data": json.dumps(reply.usage_chunk())}
         yield {"data": "[DONE]"}
