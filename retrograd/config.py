@@ -225,13 +225,54 @@ class GRPOSection:
     overlong_penalty: OverlongPenaltySection | None = key(None)
     kl_schedule: KLScheduleSection | None = key(None)
     dynamic_sampling: DynamicSamplingSection | None = key(None)
+    judge: JudgeSection | None = key(None)
+    judge_weight: float | None = key(None, ge=0)  # r = reward + judge_weight x verdict (verdict in [0, 1])
+    judge_failure: str = key("drop_group", choices=("drop_group", "fail"))
+    max_judge_dropped_fraction: float = key(0.5, ge=0, le=1)
+
+
+@section
+class JudgeStrategySection:
+    mode: str = key("auto", choices=("auto", "listwise", "chunked", "pairwise"))  # auto: listwise, chunked when too long
+    anchor: bool = key(True)  # chunked: the first member in every chunk, scores shifted to agree on it
+    max_pairs: int | None = key(None, ge=1)  # pairwise: None = every pair; at least the group size
+    both_orders: bool = key(True)  # pairwise: ask A-B and B-A; disagreement is a tie
+    aggregation: str = key("win_rate", choices=("win_rate", "bradley_terry"))
+
+
+@section
+class JudgeContextSection:
+    """Character budgets of what the judge reads; a text over its budget keeps its head and
+    tail and says how much of the middle was left out."""
+
+    max_request_chars: int = key(60000, ge=1000)
+    max_trajectory_chars: int = key(8000, ge=100)
+    max_message_chars: int = key(2000, ge=100)
+    head_ratio: float = key(0.4, ge=0, le=1)
 
 
 @section
 class JudgeSection:
-    type: str = key("command", choices=("command",))
-    command: list[str] = key()
-    timeout_secs: float = key(30.0, gt=0)
+    """`[grpo.judge]` / `[agent.judge]`: a command, or an OpenAI-compatible LLM (`ruler`)."""
+
+    type: str = key("command", choices=("command", "ruler"))
+    command: list[str] | None = key(None)  # command
+    timeout_secs: float | None = key(None, gt=0)  # per request; None: 30 s for a command, 120 s for an LLM
+    base_url: str | None = key(None)  # ruler: e.g. http://127.0.0.1:8080/v1 (retrograd serve)
+    model: str | None = key(None)
+    api_key_env: str = key("OPENAI_API_KEY")  # the key's environment variable (the key never goes in TOML)
+    rubric: str | None = key(None)  # None: the built-in rubric; a prompt's or scenario's own rubric wins
+    pairwise_rubric: str | None = key(None)
+    temperature: float | None = key(None, ge=0)  # None: the endpoint's default
+    max_concurrency: int = key(4, ge=1)
+    max_retries: int = key(2, ge=0)
+    cache_path: Path | None = key(None)  # verdicts by content: a rerun asks nothing twice
+    strategy: JudgeStrategySection | None = key(None)
+    context: JudgeContextSection | None = key(None)
+
+    @property
+    def timeout(self) -> float:
+        return self.timeout_secs or (30.0 if self.type == "command" else 120.0)
 
 
 @section
@@ -536,6 +577,12 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append(f"grpo.minibatches = {grpo.minibatches} is more than the {grpo.prompts_per_update * grpo.group_size} completions of an update")
         if grpo.sampling.top_p < 1 and grpo.tis_cap is None:
             problems.append(_truncated_sampling("grpo.sampling.top_p", grpo.sampling.top_p, "set grpo.tis_cap (e.g. 2) to correct for the truncation"))
+        if grpo.judge is not None:
+            _judge_checks(grpo.judge, "grpo.judge", problems)
+            if grpo.judge_weight is None:
+                problems.append("grpo.judge_weight is required with [grpo.judge] (r = reward + judge_weight x verdict)")
+        elif grpo.judge_weight is not None:
+            problems.append("grpo.judge_weight needs a [grpo.judge]")
     if distill is not None:
         on_policy = distill.mode == "on_policy"
         for k in OFFLINE_ONLY if on_policy else ON_POLICY_ONLY:
@@ -565,6 +612,8 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append(f"agent.max_trajectory_tokens = {agent.max_trajectory_tokens} is more than training.ctx = {training.ctx}")
         if not agent.environment and agent.judge is None:
             problems.append("[agent] needs [agent.environment], [agent.judge] or both")
+        if agent.judge is not None:
+            _judge_checks(agent.judge, "agent.judge", problems)
         if agent.top_p < 1:
             problems.append(_truncated_sampling("agent.top_p", agent.top_p))
     ckpt: CheckpointSection | None = s.get("checkpoint")
@@ -672,6 +721,29 @@ def _check_value(value, annotation, meta, where, base: Path, problems: list[str]
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not _in_range(value, meta):
         return bad(("an integer" if annotation is int else "a number") + _range_text(meta))
     return value
+
+
+def _judge_checks(judge: JudgeSection, where: str, problems: list[str]) -> None:
+    if judge.type == "command":
+        if judge.command is None:
+            problems.append(f"{where}.command is required with type = 'command'")
+        llm = [k for k in ("base_url", "model", "rubric", "pairwise_rubric", "temperature", "cache_path", "strategy", "context")
+               if getattr(judge, k) is not None]
+        if llm:
+            problems.append(f"{where}.{llm[0]} applies to type = 'ruler' (an LLM judge), not 'command'")
+        return
+    if judge.command is not None:
+        problems.append(f"{where}.command applies to type = 'command', not 'ruler'")
+    for k in ("base_url", "model"):
+        if getattr(judge, k) is None:
+            problems.append(f"{where}.{k} is required with type = 'ruler'")
+    if judge.base_url is not None and not re.match(r"^https?://[^/\s]+", judge.base_url):
+        problems.append(f"{where}.base_url: {judge.base_url!r} is not an http(s):// URL")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", judge.api_key_env):
+        problems.append(f"{where}.api_key_env: not the name of an environment variable (letters, digits and _)")
+    c = judge.context
+    if c is not None and not c.max_message_chars <= c.max_trajectory_chars <= c.max_request_chars:
+        problems.append(f"{where}.context: budgets must nest: max_message_chars <= max_trajectory_chars <= max_request_chars")
 
 
 def _in_range(v, meta) -> bool:

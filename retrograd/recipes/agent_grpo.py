@@ -8,7 +8,7 @@ Per update (retrograd notes §4.6, §5):
    sampler, each in its own sandbox leased from the pool, turn by turn, extending the KV
    cache between turns; verify gives the terminal reward, json tools step rewards; the
    pool pre-warms sandboxes for the next update; scenarios without verify are scored by
-   the [agent.judge] command, per group; with truncation = "min_reward" a truncated member
+   the [agent.judge] (a command or an LLM), per group; with truncation = "min_reward" a truncated member
    ends with the group's lowest complete reward;
 2. `plan`: failed trajectories (a broken sandbox), truncated ones (truncation = "drop", or
    no complete member to take a reward from) and unscored ones leave their group. More
@@ -48,7 +48,8 @@ from retrograd.rollouts.agent import (
     checked_prompt,
     trajectory_reward,
 )
-from retrograd.rollouts.rewards import OneshotCommandReward, Reward, RewardError
+from retrograd.rollouts.judge import RulerJudge, judge_group, make_judge
+from retrograd.rollouts.rewards import Reward, RewardError
 from retrograd.rollouts.sandbox import EnvironmentOptions, SandboxPool, open_environment
 from retrograd.rollouts.scenarios import Scenario, load_scenarios
 from retrograd.rollouts.tools import ToolCatalog
@@ -103,7 +104,7 @@ class AgentTask:
     options: EnvironmentOptions | None
     scenarios: tuple[Scenario, ...]
     eval_scenarios: tuple[Scenario, ...]
-    judge: Reward | None
+    judge: Reward | RulerJudge | None
     pool: SandboxPool | None = None
 
     def close(self) -> None:
@@ -133,7 +134,7 @@ def open_task(cfg: Config) -> AgentTask:
         )
     for scenario in scenarios + eval_scenarios:
         checked_prompt(chat, scenario, limits)
-    judge = OneshotCommandReward(a.judge.command, a.judge.timeout_secs) if a.judge is not None else None
+    judge = make_judge(a.judge) if a.judge is not None else None
     task = AgentTask(chat, limits, catalog, options, scenarios, eval_scenarios, judge)
     if options is not None and launched_as_rank_zero():  # torchrun: the other ranks never run a tool
         try:
@@ -246,6 +247,8 @@ class AgentRecipe:
         }
         if self.task.pool is not None:
             metrics |= self.task.pool.metrics(reset=True)
+        if isinstance(self.task.judge, RulerJudge):
+            metrics |= self.task.judge.metrics()
         return Batch(update, tuple(scored), cursor + a.scenarios_per_update, metrics)
 
     def _requests(self, cursor: int) -> list[Request]:
@@ -267,7 +270,7 @@ class AgentRecipe:
         prompt = "\n".join(m["content"] for m in scenario.messages())
         with clock.phase("judge"):
             try:
-                verdicts = self.task.judge.score([prompt] * len(members), [group[k].completion for k in members])
+                verdicts = judge_group(self.task.judge, prompt, [group[k].completion for k in members], scenario.rubric)
             except RewardError as error:
                 if self.a.judge_failure == "fail":
                     raise RewardError(f"[agent.judge] on scenario {scenario.id!r}: {error}") from None

@@ -4,12 +4,13 @@ Per update (retrograd notes 4.2; Dr. GRPO + DAPO, optional GSPO):
 1. `produce`: draw prompts_per_update prompts (in order or shuffled) with one seed per
    completion; llama.cpp samples group_size completions per prompt from the base GGUF plus
    the live adapter (one prompt prefill per group, continuous batching); the reward program
-   (or function) scores them and the overlong penalty is added. With dynamic sampling,
+   (or function) scores them, the judge (when there is one) adds judge_weight x its verdict,
+   and the overlong penalty is added. With dynamic sampling,
    groups without a learning signal are replaced by fresh prompts until enough are
    informative or the candidate budget is spent.
 2. `plan`: with mask_truncated, completions that used the whole budget leave their group;
-   group advantages per sampling wave; groups left with equal rewards (or < 2 members) are
-   dead: skipped and counted.
+   group advantages per sampling wave; groups left with equal rewards (or < 2 members), and
+   groups the judge failed on (judge_failure = "drop_group"), are dead: skipped and counted.
 3. the loop's policy update: with kl_coefficient > 0 the reference log-probs come from this
    model with the adapter switched off; the behaviour log-probs from a teacher-forced torch
    pass, skipped when one optimizer step covers the update (then the ratio is exactly 1 by
@@ -22,7 +23,9 @@ resumed run repeats the remaining updates exactly.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from retrograd.recipes.common import (
     rollout_sampler_options,
     signature,
 )
+from retrograd.rollouts.judge import JudgeError, RulerJudge, judge_group, make_judge
 from retrograd.rollouts.rewards import make_reward
 from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
@@ -59,7 +63,7 @@ from retrograd.training.rollout_step import TrainSample
 from retrograd.training.scoring import Rollout
 from retrograd.training.timeline import PhaseClock
 
-PHASES = ("generation", "reward", "behavior_scoring", "reference", "optimizer", "adapter_refresh")
+PHASES = ("generation", "reward", "judge", "behavior_scoring", "reference", "optimizer", "adapter_refresh")
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,9 @@ class Completion:
     sampler_logprobs: tuple[float, ...]
     text: str
     truncated: bool
-    reward: float  # the reward, overlong penalty included
+    reward: float  # the reward, judge term and overlong penalty included
+    verdict: float | None = None  # the judge's, in [0, 1]
+    judge_dropped: bool = False  # the judge failed on its group, which is not trained
 
 
 def sampler_options(cfg: Config) -> SamplerOptions:
@@ -87,7 +93,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     reward = make_reward(
         command=g.reward_command, mode=g.reward_mode, timeout_seconds=g.reward_timeout_seconds, function=g.reward_function
     )
-    with reward:
+    with reward, (make_judge(g.judge) if g.judge else contextlib.nullcontext()) as judge:
         chat = open_chat(cfg)
         budget = t.ctx - g.sampling.max_new_tokens
         prompts = load_prompts(g.prompts, chat, max_tokens=budget)
@@ -110,7 +116,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
             )
             policy = make_policy(cfg, setup, loss_options, updates=g.updates, steps_per_update=g.grpo_epochs * g.minibatches,
                                  temperature=g.sampling.temperature, reporter=reporter)
-            rollouts = GRPORollouts(cfg, sampler, reward, prompts, eval_prompts, policy.duty, setup.model.tokenizer)
+            rollouts = GRPORollouts(cfg, sampler, reward, prompts, eval_prompts, policy.duty, setup.model.tokenizer, judge)
             data_files = {"grpo.prompts": g.prompts} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
             trainer = Trainer(setup, sampler, policy, reporter, signature(setup, data_files), init, baseline_rss)
             return run_rollouts(cfg, rollouts.recipe(), trainer, resume)
@@ -119,8 +125,9 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
 class GRPORollouts:
     """What GRPO hands the rollout loop: sampling and scoring groups, and their advantages."""
 
-    def __init__(self, cfg: Config, sampler: Sampler, reward, prompts, eval_prompts, duty, tokenizer):
+    def __init__(self, cfg: Config, sampler: Sampler, reward, prompts, eval_prompts, duty, tokenizer, judge=None):
         self.cfg, self.g, self.sampler, self.reward, self.duty, self.tokenizer = cfg, cfg.grpo, sampler, reward, duty, tokenizer
+        self.judge = judge
         self.prompts, self.eval_prompts = prompts, eval_prompts
         self.sampling = Sampling(self.g.sampling.max_new_tokens, self.g.sampling.temperature, self.g.sampling.top_p)
         self.eog = sampler.eog_ids if sampler is not None else frozenset()  # None: a torchrun rank that only trains
@@ -166,7 +173,7 @@ class GRPORollouts:
         groups = [[replace(c, group=i) for c in group] for i, group in enumerate(kept + dead)]
         members = [c for group in groups for c in group]
         lengths = [len(c.tokens) for c in members]
-        metrics = {
+        metrics = self._judge_metrics(groups) | {
             "completions/length_mean": float(np.mean(lengths)),
             "completions/length_min": float(min(lengths)),
             "completions/length_max": float(max(lengths)),
@@ -189,22 +196,64 @@ class GRPORollouts:
         with clock.phase("reward"):
             flat = self.reward.score([p.text for p, group in zip(chosen, texts) for _ in group], [t for group in texts for t in group])
         r = torch.tensor(flat, dtype=torch.float64).view(n_groups, g.group_size)  # [groups, G]
+        verdicts: list[list[float] | None] = [None] * n_groups
+        if self.judge is not None:
+            with clock.phase("judge"):
+                verdicts = self._verdicts(chosen, texts)
+            for i, group_verdicts in enumerate(verdicts):
+                if group_verdicts is not None:
+                    r[i] += g.judge_weight * torch.tensor(group_verdicts, dtype=torch.float64)
         if g.overlong_penalty:
             lengths = torch.tensor([[len(c.tokens) for c in group] for group in completions])  # [groups, G]
             r = r + overlong_penalty(lengths, g.sampling.max_new_tokens, g.overlong_penalty.buffer_tokens, g.overlong_penalty.max_penalty)
+        dropped = self.judge is not None
         return [
-            [Completion(prompt, p, 0, wave, tuple(c.tokens), tuple(c.logprobs), text, c.finish == "length", float(r[i, j]))
+            [Completion(prompt, p, 0, wave, tuple(c.tokens), tuple(c.logprobs), text, c.finish == "length", float(r[i, j]),
+                        None if verdicts[i] is None else verdicts[i][j], dropped and verdicts[i] is None)
              for j, (c, text) in enumerate(zip(group, group_texts))]
             for i, (p, prompt, group, group_texts) in enumerate(zip(positions, chosen, completions, texts))
         ]
+
+    def _verdicts(self, chosen: list[Prompt], texts: list[list[str]]) -> list[list[float] | None]:
+        """The judge's verdicts per group, groups judged in parallel; None for a group it
+        failed on (judge_failure = "drop_group"), up to max_judge_dropped_fraction of them."""
+        g = self.g
+
+        def one(k: int) -> list[float] | JudgeError:
+            try:
+                return judge_group(self.judge, chosen[k].text, texts[k], chosen[k].rubric)
+            except JudgeError as error:
+                return error
+
+        with ThreadPoolExecutor(g.judge.max_concurrency) as pool:
+            results = list(pool.map(one, range(len(chosen))))
+        failed = [(k, r) for k, r in enumerate(results) if isinstance(r, JudgeError)]
+        if failed and g.judge_failure == "fail":
+            raise JudgeError(f"[grpo.judge] on prompt {chosen[failed[0][0]].source}: {failed[0][1]}")
+        if len(failed) > g.max_judge_dropped_fraction * len(chosen):
+            raise JudgeError(f"[grpo.judge] failed on {len(failed)} of {len(chosen)} groups, more than "
+                             f"grpo.max_judge_dropped_fraction = {g.max_judge_dropped_fraction:g} (last: {failed[-1][1]})")
+        return [None if isinstance(r, JudgeError) else r for r in results]
+
+    def _judge_metrics(self, groups: list[list[Completion]]) -> dict[str, float]:
+        if self.judge is None:
+            return {}
+        verdicts = [c.verdict for group in groups for c in group if c.verdict is not None]
+        dropped = sum(group[0].judge_dropped for group in groups)
+        metrics = {"judge/dropped_group_fraction": dropped / len(groups)}
+        if verdicts:
+            metrics |= {"judge/score_mean": float(np.mean(verdicts)), "judge/score_std": float(np.std(verdicts))}
+        return metrics | (self.judge.metrics() if isinstance(self.judge, RulerJudge) else {})
 
     def _text(self, tokens) -> str:
         body = [tok for tok in tokens if tok not in self.eog]
         return self.tokenizer.decode(body, special=False)
 
     def _live(self, groups: list[list[Completion]]) -> torch.Tensor:
-        """[groups, G] False where mask_truncated takes a completion out of its group."""
-        return torch.tensor([[not (self.g.mask_truncated and c.truncated) for c in group] for group in groups])
+        """[groups, G] False where mask_truncated takes a completion out of its group, and in a
+        group the judge failed on (so that group is dead)."""
+        return torch.tensor([[not (self.g.mask_truncated and c.truncated) and not c.judge_dropped for c in group]
+                             for group in groups])
 
     def _advantages(self, groups: list[list[Completion]]):
         rewards = torch.tensor([[c.reward for c in group] for group in groups], dtype=torch.float64)  # [groups, G]
@@ -233,8 +282,8 @@ class GRPORollouts:
                     advantage[k] = float(adv.advantages[i, j])
         decisions, samples, trained = [], [], []
         for k, c in enumerate(rollouts):
-            live = not (g.mask_truncated and c.truncated)
-            skip = "truncated" if not live else "zero_signal" if dead[c.group] else None
+            skip = ("judge_dropped" if c.judge_dropped else "truncated" if g.mask_truncated and c.truncated
+                    else "zero_signal" if dead[c.group] else None)
             decisions.append(Decision(advantage[k], skip is None, skip))
             if skip is None:
                 samples.append(TrainSample(Rollout(c.group, c.prompt.ids, c.tokens), torch.tensor(advantage[k]),
@@ -266,6 +315,7 @@ class GRPORollouts:
         return {
             "update": update + 1, "group": c.group, "prompt": cut_text(c.prompt.text, cap), "source": c.prompt.source,
             "completion": cut_text(c.text, cap), "tokens": len(c.tokens), "truncated": c.truncated, "reward": c.reward,
+            "judge_verdict": c.verdict,
             "advantage": decision.advantage, "trained": decision.trained, "skip_reason": decision.skip_reason,
             "prompt_ids": list(c.prompt.ids), "completion_ids": list(c.tokens),
             "sampler_logprobs": list(c.sampler_logprobs), "policy_logprobs": policy_logprobs,

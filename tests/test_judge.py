@@ -1,0 +1,225 @@
+"""The LLM judge (`type = "ruler"`): verdicts from a real `retrograd serve` on loopback
+(deterministic at temperature 0, all cache hits on a rerun), every strategy's bookkeeping
+against a scripted endpoint in this process, failures that drop groups and then stop a GRPO
+run, and its config errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_grpo import metrics, write_config
+from test_serve import running, without_key
+
+from retrograd.config import JudgeContextSection, JudgeSection, JudgeStrategySection, load_config
+from retrograd.errors import ConfigError
+from retrograd.recipes import grpo
+from retrograd.rollouts.judge import JudgeError, RulerJudge, bradley_terry, elide
+from retrograd.training.report import SilentReporter
+
+TASK = "What is 12 + 30? Answer with the number."
+ANSWERS = ["42", "The answer is 41.", "I like trains."]
+
+
+def ruler(base_url: str, **keys) -> JudgeSection:
+    return JudgeSection(type="ruler", base_url=base_url, model=keys.pop("model", "base"), **keys)
+
+
+# ---- a scripted endpoint
+
+
+class Endpoint:
+    """An OpenAI-shaped /chat/completions on 127.0.0.1 that answers as `behaviour` says:
+    "longer" (listwise: score by length; pairwise: the longer wins), "fail" (500),
+    "garbage" (200 with prose), "no_schema" (400 for a JSON schema, else "longer")."""
+
+    def __init__(self, behaviour: str):
+        self.behaviour, self.bodies = behaviour, []
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                endpoint.bodies.append(body)
+                status, reply = endpoint.answer(body)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        if self.behaviour == "fail":
+            return 500, {"error": {"message": "down"}}
+        if self.behaviour == "no_schema" and body["response_format"]["type"] == "json_schema":
+            return 400, {"error": {"message": "response_format json_schema is not supported", "param": "response_format"}}
+        user = body["messages"][1]["content"]
+        if self.behaviour == "garbage":
+            content = "I think the first one is better."
+        elif "[response A]" in user:
+            a = user.split("[response A]\n")[1].split("\n\n[response B]\n")[0]
+            b = user.split("[response B]\n")[1]
+            content = json.dumps({"explanation": "length", "winner": "A" if len(a) > len(b) else "B" if len(b) > len(a) else "tie"})
+        else:
+            blocks = user.split("[response ")[1:]
+            scores = [{"id": block.split("]")[0], "explanation": "length",
+                       "score": min(1.0, len(block.split("]\n", 1)[1].strip()) / 40)} for block in blocks]
+            content = json.dumps({"scores": scores})
+        return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def endpoint(request):
+    served = Endpoint(request.param)
+    yield served
+    served.close()
+
+
+# ---- against retrograd serve
+
+
+@pytest.fixture(scope="module")
+def serve_url():
+    with running("--ctx", "2048", env=without_key()) as url:
+        yield url
+
+
+def test_a_local_serve_judges_deterministically_and_a_rerun_is_all_cache_hits(serve_url, tmp_path):
+    section = ruler(serve_url, temperature=0.0, cache_path=tmp_path / "verdicts.jsonl")
+    with RulerJudge(section) as judge:
+        first = judge.score_group(TASK, ANSWERS)
+        assert judge.metrics() == {"judge/requests": 1.0, "judge/cache_hit_rate": 0.0}
+    assert len(first) == 3 and all(0 <= v <= 1 for v in first)
+    with RulerJudge(section) as again:  # a new run reading the cache
+        assert again.score_group(TASK, ANSWERS) == first
+        assert again.metrics() == {"judge/requests": 0.0, "judge/cache_hit_rate": 1.0}
+    with RulerJudge(ruler(serve_url, temperature=0.0)) as uncached:  # the endpoint itself is deterministic
+        assert uncached.score_group(TASK, ANSWERS) == first
+    pairwise = ruler(serve_url, temperature=0.0, strategy=JudgeStrategySection(mode="pairwise"))
+    with RulerJudge(pairwise) as judge:
+        verdicts = judge.score_group(TASK, ANSWERS)
+        m = judge.metrics()
+    assert len(verdicts) == 3 and all(0 <= v <= 1 for v in verdicts) and sum(verdicts) == pytest.approx(1.5)
+    assert m["judge/requests"] == 6 and 0 <= m["judge/position_disagreement"] <= 1  # a ring of 3, both orders
+
+
+# ---- strategies, on the scripted endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
+def test_listwise_verdicts_follow_the_endpoint_whatever_order_it_saw(endpoint):
+    answers = ["a" * 10, "b" * 30, "c" * 20, "d" * 40]
+    with RulerJudge(ruler(endpoint.url)) as judge:
+        assert judge.score_group(TASK, answers) == [0.25, 0.75, 0.5, 1.0]
+    shown = endpoint.bodies[0]["messages"][1]["content"]
+    order = [shown.index(a) for a in answers]
+    assert order != sorted(order)  # members are shown in a drawn order, mapped back by id
+    schema = endpoint.bodies[0]["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["scores"]["minItems"] == 4 == schema["properties"]["scores"]["maxItems"]
+
+
+@pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
+def test_pairwise_win_rates_bradley_terry_and_chunks_with_an_anchor(endpoint):
+    answers = ["a" * 10, "b" * 30, "c" * 20]
+    with RulerJudge(ruler(endpoint.url, strategy=JudgeStrategySection(mode="pairwise"))) as judge:
+        assert judge.score_group(TASK, answers) == [0.0, 1.0, 0.5]  # each pair both ways: 6 requests
+        assert judge.metrics()["judge/position_disagreement"] == 0.0
+    assert len(endpoint.bodies) == 6
+    strengths = bradley_terry(np.array([[0, 0, 0], [1, 0, 1], [1, 0, 0.0]]))
+    assert strengths[1] > strengths[2] > strengths[0] and all(0 < s < 1 for s in strengths)
+    endpoint.bodies.clear()
+    many = ["x" * (4 * k + 4) for k in range(8)]
+    chunked = ruler(endpoint.url, strategy=JudgeStrategySection(mode="chunked"),
+                    context=JudgeContextSection(max_request_chars=1000, max_trajectory_chars=200, max_message_chars=200))
+    with RulerJudge(chunked) as judge:
+        scores = judge.score_group(TASK, many)
+    assert len(endpoint.bodies) > 1  # split to fit 1,000 characters, the anchor in every request
+    assert all(many[0] in body["messages"][1]["content"] for body in endpoint.bodies)
+    assert scores == pytest.approx([min(1.0, len(t) / 40) for t in many])  # the endpoint is consistent: no shift
+
+
+@pytest.mark.parametrize("endpoint", ["no_schema"], indirect=True)
+def test_an_endpoint_without_json_schemas_gets_plain_json_mode(endpoint):
+    with RulerJudge(ruler(endpoint.url)) as judge:
+        assert judge.score_group(TASK, ["a" * 20, "b" * 40]) == [0.5, 1.0]
+    assert [b["response_format"]["type"] for b in endpoint.bodies] == ["json_schema", "json_object"]
+
+
+@pytest.mark.parametrize("endpoint", ["fail", "garbage"], indirect=True)
+def test_a_failing_endpoint_is_retried_then_a_judge_error(endpoint):
+    with RulerJudge(ruler(endpoint.url, max_retries=2)) as judge, pytest.raises(JudgeError, match="3 tries"):
+        judge.score_group(TASK, ANSWERS)
+    assert len(endpoint.bodies) == 3
+
+
+def test_long_texts_keep_head_and_tail():
+    text = "".join(chr(65 + k % 26) for k in range(5000))
+    cut = elide(text, 500, 0.4)
+    assert len(cut) <= 500 and cut.startswith(text[:150]) and cut.endswith(text[-250:]) and "left out" in cut
+
+
+# ---- GRPO with a judge
+
+
+def judged_config(tmp_path: Path, url: str, *, extra: str = "") -> Path:
+    judge = f'judge_weight = 2.0\n{extra}\n[grpo.judge]\ntype = "ruler"\nbase_url = "{url}"\nmodel = "judge"\nmax_retries = 0'
+    return write_config(tmp_path, grpo_extra=judge, updates=2)
+
+
+@pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
+def test_grpo_adds_the_weighted_verdict_to_the_reward(endpoint, tmp_path):
+    result = grpo.run(load_config(judged_config(tmp_path, endpoint.url)), SilentReporter())
+    assert result.updates_done == 2
+    rows = [r for r in metrics(tmp_path / "out/adapter.metrics.jsonl") if "reward/mean" in r]
+    assert all("judge/score_mean" in r and r["judge/dropped_group_fraction"] == 0 for r in rows)
+    assert rows[0]["judge/requests"] == 2 and "timing/judge_seconds" in rows[0]  # one listwise request per group
+    for record in metrics(tmp_path / "out/adapter.rollouts.jsonl"):
+        brevity = max(0.0, 1.0 - len(record["completion"]) / 40.0)  # the reward function; then the judge's term
+        assert record["reward"] == pytest.approx(brevity + 2.0 * record["judge_verdict"], abs=1e-6)
+
+
+@pytest.mark.parametrize("endpoint", ["fail"], indirect=True)
+def test_a_failing_judge_drops_groups_and_then_stops_the_run(endpoint, tmp_path):
+    cfg = judged_config(tmp_path, endpoint.url, extra="max_judge_dropped_fraction = 1.0")
+    grpo.run(load_config(cfg), SilentReporter())  # every group dropped, none trained, the run goes on
+    rows = [r for r in metrics(tmp_path / "out/adapter.metrics.jsonl") if "reward/mean" in r]
+    assert rows and all(r["judge/dropped_group_fraction"] == 1.0 for r in rows)
+    assert {r["skip_reason"] for r in metrics(tmp_path / "out/adapter.rollouts.jsonl")} == {"judge_dropped"}
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    with pytest.raises(JudgeError, match="max_judge_dropped_fraction = 0.5"):
+        grpo.run(load_config(judged_config(stopped, endpoint.url)), SilentReporter())
+
+
+BAD_JUDGES = [
+    ('type = "ruler"\nmodel = "m"', "grpo.judge.base_url is required"),
+    ('type = "ruler"\nbase_url = "127.0.0.1:8080"\nmodel = "m"', "is not an http(s):// URL"),
+    ('type = "ruler"\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\ncommand = ["x"]', "grpo.judge.command applies to type = 'command', not 'ruler'"),
+    ('command = ["x"]\nmodel = "m"', "grpo.judge.model applies to type = 'ruler'"),
+    ('type = "ruler"\nbase_url = "http://h/v1"\nmodel = "m"\n[grpo.judge.context]\nmax_message_chars = 9000', "budgets must nest"),
+]
+
+
+@pytest.mark.parametrize("table, message", BAD_JUDGES, ids=[b[1] for b in BAD_JUDGES])
+def test_judge_config_errors_name_the_key(tmp_path, table, message):
+    cfg = write_config(tmp_path, grpo_extra=f"judge_weight = 1.0\n[grpo.judge]\n{table}")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match="grpo.judge_weight is required"):
+        load_config(write_config(tmp_path, grpo_extra='[grpo.judge]\ncommand = ["x"]'))
