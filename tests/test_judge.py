@@ -6,6 +6,8 @@ run, and its config errors."""
 from __future__ import annotations
 
 import json
+import re
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -19,6 +21,7 @@ from retrograd.config import JudgeContextSection, JudgeSection, JudgeStrategySec
 from retrograd.errors import ConfigError
 from retrograd.recipes import grpo
 from retrograd.rollouts.judge import JudgeError, RulerJudge, bradley_terry, elide
+from retrograd.rollouts.rewards import _reward_in
 from retrograd.training.report import SilentReporter
 
 TASK = "What is 12 + 30? Answer with the number."
@@ -223,3 +226,36 @@ def test_judge_config_errors_name_the_key(tmp_path, table, message):
         load_config(cfg)
     with pytest.raises(ConfigError, match="grpo.judge_weight is required"):
         load_config(write_config(tmp_path, grpo_extra='[grpo.judge]\ncommand = ["x"]'))
+
+
+WEIGHING_PROGRAM = """
+import json, sys
+for line in sys.stdin:
+    request = json.loads(line)
+    print(json.dumps({"reward": 0.5, "judge_weight": 0.0 if "2" in request["prompt"] else 3.0}))
+"""
+
+
+@pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
+def test_a_reward_program_may_set_the_judge_weight_per_completion(endpoint, tmp_path):
+    program = tmp_path / "weigh.py"
+    program.write_text(WEIGHING_PROGRAM)
+    reward = f'reward_command = ["{sys.executable}", "{program}"]\nreward_mode = "oneshot"'
+    cfg = write_config(tmp_path, reward=reward, updates=2, grpo_extra=(
+        f'judge_weight = 1.0\n[grpo.judge]\ntype = "ruler"\nbase_url = "{endpoint.url}"\nmodel = "judge"'))
+    grpo.run(load_config(cfg), SilentReporter())
+    records = metrics(tmp_path / "out/adapter.rollouts.jsonl")
+    weighed_zero = [r for r in records if "2" in r["prompt"]]
+    assert weighed_zero and all(r["judge_verdict"] is None and r["reward"] == 0.5 for r in weighed_zero)  # never sent
+    judged = [r for r in records if "2" not in r["prompt"]]
+    assert judged and all(r["reward"] == pytest.approx(0.5 + 3.0 * r["judge_verdict"]) for r in judged)
+    assert len(endpoint.bodies) == len({(r["update"], r["group"]) for r in judged})  # one request per judged group
+
+
+def test_judge_weight_in_a_reply_needs_a_judge_and_a_finite_weight():
+    assert _reward_in(b'{"reward": 1, "judge_weight": 2}', {}, "request 1", True) == (1.0, 2.0)
+    assert _reward_in(b'{"reward": 1}', {}, "request 1", True) == (1.0, None)
+    for line, allowed, message in ((b'{"reward": 1, "judge_weight": 2}', False, "needs a [grpo.judge]"),
+                                   (b'{"reward": 1, "judge_weight": -1}', True, "expected a finite number >= 0")):
+        with pytest.raises(Exception, match=re.escape(message)):
+            _reward_in(line, {}, "request 1", allowed)

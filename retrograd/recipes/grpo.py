@@ -93,6 +93,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     reward = make_reward(
         command=g.reward_command, mode=g.reward_mode, timeout_seconds=g.reward_timeout_seconds, function=g.reward_function
     )
+    reward.judge_weight_allowed = g.judge is not None
     with reward, (make_judge(g.judge) if g.judge else contextlib.nullcontext()) as judge:
         chat = open_chat(cfg)
         budget = t.ctx - g.sampling.max_new_tokens
@@ -197,29 +198,36 @@ class GRPORollouts:
             flat = self.reward.score([p.text for p, group in zip(chosen, texts) for _ in group], [t for group in texts for t in group])
         r = torch.tensor(flat, dtype=torch.float64).view(n_groups, g.group_size)  # [groups, G]
         verdicts: list[list[float] | None] = [None] * n_groups
+        failed = [False] * n_groups
         if self.judge is not None:
+            given = list(self.reward.judge_weights) if len(self.reward.judge_weights) == len(flat) else [None] * len(flat)
+            weights = torch.tensor([g.judge_weight if w is None else w for w in given], dtype=torch.float64)
+            weights = weights.view(n_groups, g.group_size)  # [groups, G]: a program's reply may override the weight
+            judged = [bool(weights[i].any()) for i in range(n_groups)]  # a group weighted 0 throughout is not sent
             with clock.phase("judge"):
-                verdicts = self._verdicts(chosen, texts)
+                verdicts = self._verdicts(chosen, texts, judged)
             for i, group_verdicts in enumerate(verdicts):
                 if group_verdicts is not None:
-                    r[i] += g.judge_weight * torch.tensor(group_verdicts, dtype=torch.float64)
+                    r[i] += weights[i] * torch.tensor(group_verdicts, dtype=torch.float64)
+                failed[i] = judged[i] and group_verdicts is None
         if g.overlong_penalty:
             lengths = torch.tensor([[len(c.tokens) for c in group] for group in completions])  # [groups, G]
             r = r + overlong_penalty(lengths, g.sampling.max_new_tokens, g.overlong_penalty.buffer_tokens, g.overlong_penalty.max_penalty)
-        dropped = self.judge is not None
         return [
             [Completion(prompt, p, 0, wave, tuple(c.tokens), tuple(c.logprobs), text, c.finish == "length", float(r[i, j]),
-                        None if verdicts[i] is None else verdicts[i][j], dropped and verdicts[i] is None)
+                        None if verdicts[i] is None else verdicts[i][j], failed[i])
              for j, (c, text) in enumerate(zip(group, group_texts))]
             for i, (p, prompt, group, group_texts) in enumerate(zip(positions, chosen, completions, texts))
         ]
 
-    def _verdicts(self, chosen: list[Prompt], texts: list[list[str]]) -> list[list[float] | None]:
-        """The judge's verdicts per group, groups judged in parallel; None for a group it
-        failed on (judge_failure = "drop_group"), up to max_judge_dropped_fraction of them."""
+    def _verdicts(self, chosen: list[Prompt], texts: list[list[str]], judged: list[bool]) -> list[list[float] | None]:
+        """The judge's verdicts per group (those `judged`), groups judged in parallel; None for a
+        group not judged or failed on (judge_failure = "drop_group"), up to max_judge_dropped_fraction."""
         g = self.g
 
-        def one(k: int) -> list[float] | JudgeError:
+        def one(k: int) -> list[float] | JudgeError | None:
+            if not judged[k]:
+                return None
             try:
                 return judge_group(self.judge, chosen[k].text, texts[k], chosen[k].rubric)
             except JudgeError as error:
@@ -230,10 +238,10 @@ class GRPORollouts:
         failed = [(k, r) for k, r in enumerate(results) if isinstance(r, JudgeError)]
         if failed and g.judge_failure == "fail":
             raise JudgeError(f"[grpo.judge] on prompt {chosen[failed[0][0]].source}: {failed[0][1]}")
-        if len(failed) > g.max_judge_dropped_fraction * len(chosen):
-            raise JudgeError(f"[grpo.judge] failed on {len(failed)} of {len(chosen)} groups, more than "
+        if len(failed) > g.max_judge_dropped_fraction * sum(judged):
+            raise JudgeError(f"[grpo.judge] failed on {len(failed)} of {sum(judged)} groups, more than "
                              f"grpo.max_judge_dropped_fraction = {g.max_judge_dropped_fraction:g} (last: {failed[-1][1]})")
-        return [None if isinstance(r, JudgeError) else r for r in results]
+        return [r if isinstance(r, list) else None for r in results]
 
     def _judge_metrics(self, groups: list[list[Completion]]) -> dict[str, float]:
         if self.judge is None:

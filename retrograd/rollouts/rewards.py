@@ -7,7 +7,9 @@ template markup (`prompt_of`), exactly what retrograd's reward programs expect, 
 Reward command protocol (retrograd-reward/1), one JSON object per line on each side:
 - we send `{"prompt": ..., "completion": ...}` per answer, plus `"reference"` (the answer a held-out
   record ends with) where the prompt has one; the program replies `{"reward": <finite>}` per request,
-  in order. Its argv runs directly, never through a shell; a program path with a slash
+  in order. In a run with a judge (`judge_weight_allowed`), a reply may add `"judge_weight": <finite
+  >= 0>`, which replaces grpo.judge_weight for that completion; `judge_weights` then holds each
+  reply's (None where it gave none). Its argv runs directly, never through a shell; a program path with a slash
   resolves against the working directory, a bare name against PATH.
 - persistent (default): one worker for the whole run. It must echo the handshake
   `{"protocol":"retrograd-reward/1"}`; each request carries `_retrograd_batch` / `_retrograd_index`
@@ -63,6 +65,9 @@ class RewardError(RetrogradError):
 
 class Reward(abc.ABC):
     """One batch in, one finite reward per completion out, in order."""
+
+    judge_weight_allowed = False  # set by a run with a judge: a program's replies may carry "judge_weight"
+    judge_weights: Sequence[float | None] = ()  # the last batch's, one per reply (reward programs only)
 
     @abc.abstractmethod
     def score(self, prompts: list[str], completions: list[str], references: References = None) -> list[float]:
@@ -266,17 +271,19 @@ class PersistentCommandReward(CommandReward):
         numbered = [request | {"_retrograd_batch": batch, "_retrograd_index": i} for i, request in enumerate(requests)]
         end = {"_retrograd_batch_end": batch}
         process.send(b"".join(map(_json_line, [*numbered, end])))
-        rewards = []
+        answers = []
         for index in range(n):
             request = f"request {index + 1} of {n} (batch {batch})"
             line = process.expect_line(deadline, f"the answer to {request}")
             if isinstance(answer := _decoded(line), dict) and "_retrograd_batch_end" in answer:
                 raise _Failure(f"ended batch {batch} after {index} answers for {n} requests")
-            rewards.append(_reward_in(line, {"_retrograd_batch": batch, "_retrograd_index": index}, request))
+            echo = {"_retrograd_batch": batch, "_retrograd_index": index}
+            answers.append(_reward_in(line, echo, request, self.judge_weight_allowed))
         line = process.expect_line(deadline, f"the echo of the end of batch {batch}")
         if _decoded(line) != end:
             raise _Failure(f"answered the end of batch {batch} with {_excerpt(line)}, expected {json.dumps(end)}")
-        return rewards
+        self.judge_weights = [weight for _, weight in answers]
+        return [reward for reward, _ in answers]
 
 
 class OneshotCommandReward(CommandReward):
@@ -293,7 +300,7 @@ class OneshotCommandReward(CommandReward):
             requests = _requests(prompts, completions, references)
             process.send(b"".join(map(_json_line, requests)))
             process.close_stdin()
-            rewards = self._answers(process, len(requests), deadline)
+            answers = self._answers(process, len(requests), deadline, self.judge_weight_allowed)
             status = process.wait(deadline)
             if status is None:
                 raise _Failure(f"printed its answers but did not exit within {self.timeout_seconds:g}s")
@@ -302,18 +309,19 @@ class OneshotCommandReward(CommandReward):
         except _Failure as failure:
             raise self._error(process, failure) from None
         process.kill()  # whatever it left running in its group goes with it
-        return rewards
+        self.judge_weights = [weight for _, weight in answers]
+        return [reward for reward, _ in answers]
 
     @staticmethod
-    def _answers(process: _Process, n: int, deadline: float) -> list[float]:
-        rewards = []
-        while (line := process.next_line(deadline, _awaited_in_oneshot(len(rewards), n))) is not None:
-            if len(rewards) == n:
+    def _answers(process: _Process, n: int, deadline: float, judge_weight: bool) -> list[tuple[float, float | None]]:
+        answers = []
+        while (line := process.next_line(deadline, _awaited_in_oneshot(len(answers), n))) is not None:
+            if len(answers) == n:
                 raise _Failure(f"printed more than {n} lines for {n} requests, extra line: {_excerpt(line)}")
-            rewards.append(_reward_in(line, {}, f"request {len(rewards) + 1} of {n}"))
-        if len(rewards) < n:
-            raise _Failure(f"{process.how_output_ended()} after printing {len(rewards)} answers for {n} requests")
-        return rewards
+            answers.append(_reward_in(line, {}, f"request {len(answers) + 1} of {n}", judge_weight))
+        if len(answers) < n:
+            raise _Failure(f"{process.how_output_ended()} after printing {len(answers)} answers for {n} requests")
+        return answers
 
 
 def _requests(prompts: list[str], completions: list[str], references: References) -> list[dict]:
@@ -351,19 +359,26 @@ def _decoded(line: bytes):
         return None
 
 
-def _reward_in(line: bytes, echo: dict, what: str) -> float:
-    """The reward of one reply, which must be exactly {"reward": <finite number>} plus the echoed fields."""
+def _reward_in(line: bytes, echo: dict, what: str, judge_weight: bool = False) -> tuple[float, float | None]:
+    """The reward of one reply, which must be exactly {"reward": <finite number>} plus the echoed
+    fields (and, where `judge_weight`, optionally "judge_weight": <finite >= 0>), and that weight."""
     answer = _decoded(line)
     expected = ", ".join(['"reward": <finite number>', *(f'"{key}": {value}' for key, value in echo.items())])
     if answer is None:
         raise _Failure(f"answered {what} with {_excerpt(line)}, which is not JSON; expected {{{expected}}}")
-    shape_ok = isinstance(answer, dict) and answer.keys() == {"reward", *echo}
+    if isinstance(answer, dict) and "judge_weight" in answer and not judge_weight:
+        raise _Failure(f'answered {what} with a "judge_weight", which needs a [grpo.judge]: {_excerpt(line)}')
+    keys = answer.keys() - {"judge_weight"} if isinstance(answer, dict) else None
+    shape_ok = keys == {"reward", *echo}
     if not shape_ok or any(answer[key] != value for key, value in echo.items()):
         raise _Failure(f"answered {what} with {_excerpt(line)}, expected {{{expected}}}")
     reward = _finite(answer["reward"])
     if reward is None:
         raise _Failure(f"answered {what} with reward {answer['reward']!r}, expected a finite number")
-    return reward
+    weight = answer.get("judge_weight")
+    if weight is not None and ((weight := _finite(weight)) is None or weight < 0):
+        raise _Failure(f"answered {what} with judge_weight {answer['judge_weight']!r}, expected a finite number >= 0")
+    return reward, weight
 
 
 def _finite(value) -> float | None:
