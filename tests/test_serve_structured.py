@@ -169,6 +169,16 @@ UNENFORCEABLE = [
     ({"$ref": "https://example.com/schema.json"}, "`$ref`"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}}, "`if`"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x", "type": "string"}}}, "beside `$ref`"),
+    ({"$ref": "#/$defs/missing"}, "names no definition"),
+    ({"type": "string", "pattern": "^[a-z]{0,30000}$"}, "a repetition bound over 1000"),  # would overflow llama.cpp's parser
+    ({"type": "string", "pattern": "^.*$"}, "`.` is not supported"),  # would match quotes inside the JSON string
+    ({"type": "string", "pattern": "^[ -~]+$"}, "holds a quote, backslash or control"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}, "`additionalProperties`"),
+    ({"const": "C:\\dir"}, "cannot spell"),
+    ({"type": "string", "enum": ["a", 1]}, "is not of type 'string'"),
+    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}, "nothing satisfies it"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "`oneOf`"),
+    ({"enum": list(range(600))}, "`enum` must be a list of 1 to 512"),
 ]
 
 
@@ -183,10 +193,13 @@ def test_a_schema_that_cannot_be_enforced_is_refused_by_name(server, schema, nam
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "response_format" and named in error["message"], error
-    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": schema}}}}
     body = {"model": "base", "messages": JUDGE_QUESTION, "tools": [tool], "tool_choice": "required"}
     error = httpx.post(f"{server}/chat/completions", json=body, timeout=60).json()["error"]
-    assert error["param"] == "tools" and named in error["message"] and error["message"].startswith("tools[0] (f)")
+    assert error["param"] == "tools" and named in error["message"] and error["message"].startswith("tools (f)")
+    if len(json.dumps(schema)) < 200:  # (a long one does not fit the prompt)
+        body["tool_choice"] = "auto"  # sampled freely: nothing to enforce, so nothing refused
+        assert httpx.post(f"{server}/chat/completions", json=body | {"max_tokens": 2}, timeout=60).status_code == 200
 
 
 def test_schemas_with_definitions_recursion_and_unions_are_enforced(local):
@@ -218,7 +231,7 @@ def test_schemas_with_definitions_recursion_and_unions_are_enforced(local):
         generation.run()
         if generation.finish_reason == "stop":  # a deep tree may run out of tokens; what ends is valid
             jsonschema.validate(json.loads(generation.text), tree)
-    with pytest.raises(SchemaError, match="nested too deeply"):
+    with pytest.raises(SchemaError, match="nested more than 32 deep"):
         deep: dict = {"type": "string"}
         for _ in range(5000):
             deep = {"type": "array", "items": deep}
@@ -261,12 +274,17 @@ def test_the_openai_client_round_trips_a_tool_call(client, local):
     assert "<tool_call>" in rendered and "<tool_response>\nsunny, 21 degrees\n</tool_response>" in rendered
 
 
-def test_required_tool_calls_stream_as_openai_deltas(client):
+@pytest.mark.parametrize("parallel, max_tokens, finished", [(False, None, "tool_calls"), (True, 100, "length")])
+def test_required_tool_calls_stream_as_openai_deltas(client, parallel, max_tokens, finished):
+    """One call; or, in parallel, calls until the budget (a small model repeats them): the
+    complete ones arrive, the cut one does not, and the finish reason says so."""
     stream = client.chat.completions.create(
         model="base",
         messages=WEATHER_QUESTION,
         tools=[WEATHER, ADD],
         tool_choice="required",
+        parallel_tool_calls=parallel,
+        max_tokens=max_tokens,
         temperature=0,
         stream=True,
     )
@@ -280,7 +298,7 @@ def test_required_tool_calls_stream_as_openai_deltas(client):
                 entry["name"] += delta.function.name or ""
                 entry["arguments"] += delta.function.arguments or ""
             finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and calls
+    assert finish == finished and calls and (parallel or len(calls) == 1)
     for entry in calls.values():
         schema = {"get_weather": WEATHER, "add": ADD}[entry["name"]]["function"]["parameters"]
         jsonschema.validate(json.loads(entry["arguments"]), schema)
@@ -299,6 +317,9 @@ def test_a_reply_is_split_into_content_and_calls_only_where_the_markup_parses():
         ("get_weather", {"city": "Oslo"}),
     ]
     assert len({c["id"] for c in tool_calls}) == 2
+    assert split_reply(text + "\nDone.", calls)[0] == "Let me add.\nDone."  # prose after the calls is content too
+    cut = split_reply(text + '\n<tool_call>\n{"name": "add", "argu', calls)  # a last call cut by the token budget
+    assert cut[0] == "Let me add." and len(cut[1]) == 2
     for kept in (
         '<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>',  # malformed
         '<tool_call>\n{"name": "delete_all", "arguments": {}}\n</tool_call>',  # not offered

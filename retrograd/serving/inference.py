@@ -131,6 +131,13 @@ class Inference:
         self._slots = {name: _Slot(i) for i, name in enumerate(self._adapters)}
         self._applied = BASE
         self.stop_ids = self.engine.eog_ids | self._end_of_turn_ids()
+        # Under a grammar: tokens a reply may not take. A control token's text is matched by
+        # the grammar but never written into the reply; a stop token that is not end-of-generation
+        # would end the reply before the grammar completes.
+        self.unwritten_ids = np.array(sorted(
+            t for t in range(self.engine.n_vocab)
+            if t not in self.engine.eog_ids and (C.llama_vocab_is_control(self.engine.vocab, t) or t in self.stop_ids)
+        ), dtype=np.int64)
         self._pieces: dict[int, bytes] = {}
 
     @property
@@ -280,6 +287,7 @@ class Generation:
             if self.grammar is None:
                 token = pick(row)
             else:  # the grammar allows an end-of-generation token only once it is complete
+                row[inf.unwritten_ids] = -np.inf
                 token = constrained_pick(row, self.grammar, pick, greedy=sampling is None)
                 if token is None or token in inf.engine.eog_ids:
                     self.finish_reason = "stop"

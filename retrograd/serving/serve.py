@@ -36,11 +36,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from retrograd.data.tools import CALL_CLOSE, CALL_OPEN
 from retrograd.errors import DataError
 from retrograd.runtime.http_guard import Guard
 from retrograd.sampler.grammar import GrammarError, SchemaError
 from retrograd.serving.inference import Generation, Inference, Settings
-from retrograd.serving.structured import JSON_OBJECT, Calls, ContentStream, reply_grammar, split_reply
+from retrograd.serving.structured import (
+    JSON_OBJECT,
+    NO_ARGUMENTS,
+    Calls,
+    ContentStream,
+    reply_grammar,
+    split_reply,
+)
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARACTERS = 1000  # in all of a request's stop strings
@@ -113,7 +121,7 @@ class Function(BaseModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # always enforced
+    strict: bool | None = None  # enforced whenever calls are sampled under a grammar
 
 
 class Tool(BaseModel):
@@ -148,6 +156,9 @@ class ResponseFormat(BaseModel):
 
     def schema_for_reply(self) -> dict[str, Any] | None:
         """The schema the reply must follow; None for free text."""
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise APIError(400, f'response_format: "json_schema" goes with type "json_schema", not {self.type!r}',
+                           param="response_format")
         if self.type == "text":
             return None
         if self.type == "json_object":
@@ -216,7 +227,7 @@ class _Request(BaseModel):
         try:
             grammar = reply_grammar(self.response_format and self.response_format.schema_for_reply(), self.calls())
         except SchemaError as e:
-            raise APIError(400, str(e), param="tools" if str(e).startswith("tools") else "response_format") from None
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0].split(":")[0]) from None
         return Settings(
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             temperature=self.temperature,
@@ -242,7 +253,7 @@ class ChatRequest(_Request):
             if self.tool_choice not in (None, "none"):
                 raise APIError(400, "tool_choice: the request offers no tools", param="tool_choice")
             return None
-        functions = {tool.function.name: tool.function.parameters or JSON_OBJECT for tool in self.tools}
+        functions = {tool.function.name: tool.function.parameters or NO_ARGUMENTS for tool in self.tools}
         if len(functions) < len(self.tools):
             raise APIError(400, "tools: two functions share a name", param="tools")
         choice = self.tool_choice or "auto"
@@ -320,8 +331,10 @@ class ChatReply(_Reply):
         g = self.generation
         _, tool_calls = split_reply(g.text, self.calls)
         if tool_calls:
+            after = g.text[g.text.rfind(CALL_CLOSE) + len(CALL_CLOSE) :].split(CALL_OPEN)[0].strip()  # prose after them
             calls = [self._chunk({"tool_calls": [{"index": i} | call]}) for i, call in enumerate(tool_calls)]
-            return [*calls, self._chunk({}, "tool_calls")]
+            finish = "length" if g.finish_reason == "length" else "tool_calls"
+            return [*([self._chunk({"content": "\n" + after})] if after else []), *calls, self._chunk({}, finish)]
         rest = g.text[self.streamed :]
         return [*([self._chunk({"content": rest})] if rest else []), self._chunk({}, g.finish_reason)]
 
@@ -332,7 +345,7 @@ class ChatReply(_Reply):
         g = self.generation
         content, tool_calls = split_reply(g.text, self.calls)
         message = {"role": "assistant", "content": content} | ({"tool_calls": tool_calls} if tool_calls else {})
-        finish = "tool_calls" if tool_calls else g.finish_reason
+        finish = "tool_calls" if tool_calls and g.finish_reason != "length" else g.finish_reason
         return self._envelope(
             "chat.completion",
             [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
@@ -389,11 +402,13 @@ def create_app(inference: Inference, *, api_key: str | None, max_request_bytes: 
             )
         return requested
 
-    def generation_of(name: str, prompt: list[int], settings: Settings, param: str) -> Generation:
+    def generation_of(
+        name: str, prompt: list[int], settings: Settings, param: str, grammar_param: str = "response_format"
+    ) -> Generation:
         try:
             return inference.generate(name, prompt, settings)
         except GrammarError as e:
-            raise APIError(400, str(e), param="response_format") from None
+            raise APIError(400, str(e), param=grammar_param) from None
         except DataError as e:
             raise APIError(400, str(e), param=param) from None
 
@@ -436,7 +451,8 @@ def create_app(inference: Inference, *, api_key: str | None, max_request_bytes: 
         # off the event loop, which keeps answering: a long schema or prompt takes a while
         settings = await anyio.to_thread.run_sync(request.settings, max_tokens)
         prompt = await anyio.to_thread.run_sync(chat_prompt, request)
-        generation = generation_of(name, prompt, settings, "messages")
+        grammar_param = "response_format" if request.response_format else "tools"
+        generation = await anyio.to_thread.run_sync(generation_of, name, prompt, settings, "messages", grammar_param)
         return await respond(http_request, request, ChatReply(name, generation, request.calls()))
 
     @app.post("/v1/completions")
@@ -444,7 +460,7 @@ def create_app(inference: Inference, *, api_key: str | None, max_request_bytes: 
         name = model_name(request.model)
         settings = await anyio.to_thread.run_sync(request.settings, request.max_tokens)
         prompt = await anyio.to_thread.run_sync(text_prompt, request.prompt)
-        generation = generation_of(name, prompt, settings, "prompt")
+        generation = await anyio.to_thread.run_sync(generation_of, name, prompt, settings, "prompt")
         return await respond(http_request, request, TextReply(name, generation))
 
     @app.exception_handler(APIError)

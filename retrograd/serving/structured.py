@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from retrograd.data.tools import CALL_CLOSE, CALL_OPEN, parse_calls
-from retrograd.sampler.grammar import check_schema, schema_grammar
+from retrograd.sampler.grammar import SchemaError, check_schema, schema_grammar
 from retrograd.serving.inference import StopStrings
 
 JSON_OBJECT = {"type": "object"}
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without parameters
 
 
 @dataclass(frozen=True)
@@ -35,31 +36,37 @@ class Calls:
 
 
 def reply_grammar(reply_schema: dict | None, calls: Calls | None) -> str | None:
-    """The GBNF a reply is sampled under, or None for free text. Schemas are checked first
-    (retrograd.sampler.grammar.SchemaError names what cannot be enforced)."""
-    if reply_schema is not None:
+    """The GBNF a reply is sampled under, or None for free text. The schemas it enforces are
+    checked first (retrograd.sampler.grammar.SchemaError names what cannot be enforced); tools
+    sampled freely ("auto" without a response_format) are not."""
+    forced = calls is not None and calls.forced
+    if reply_schema is not None and not forced:
         check_schema(reply_schema, "response_format")
-    if calls is not None:
-        for i, (name, parameters) in enumerate(calls.functions.items()):
-            check_schema(parameters or JSON_OBJECT, f"tools[{i}] ({name}): parameters")
-    if calls is not None and calls.forced:
+    functions = calls.functions if calls is not None and calls.parsed and (forced or reply_schema is not None) else None
+    for name, parameters in (functions or {}).items():
+        where = f"tools ({name}): parameters"
+        check_schema(parameters, where)
+        if parameters.get("type") != "object":
+            raise SchemaError(f'{where}: must be an object schema ("type": "object"), as call arguments are an object')
+    if forced:
         return schema_grammar(
-            None, calls.functions, call_open=CALL_OPEN, call_close=CALL_CLOSE, parallel=calls.parallel
+            None, functions, call_open=CALL_OPEN, call_close=CALL_CLOSE, parallel=calls.parallel, where="tools"
         )
     if reply_schema is None:
         return None
-    functions = calls.functions if calls is not None and calls.parsed else None
     return schema_grammar(
         reply_schema, functions, call_open=CALL_OPEN, call_close=CALL_CLOSE, parallel=bool(calls and calls.parallel)
     )
 
 
 def split_reply(text: str, calls: Calls | None) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, OpenAI tool_calls) of a reply. Text before the first `<tool_call>` is the
-    content (None when empty and there are calls); markup that does not parse, or names a
-    function the request did not offer, stays content."""
+    """(content, OpenAI tool_calls) of a reply. Text before the first `<tool_call>` and after
+    the last `</tool_call>` is the content (None when empty and there are calls); a block left
+    open by the token budget is dropped (the finish reason says "length"); markup that does not
+    parse, or names a function the request did not offer, stays content."""
     if calls is None or not calls.parsed or (opened := text.find(CALL_OPEN)) == -1:
         return text, []
+    closed = text.rfind(CALL_CLOSE)
     parsed = parse_calls(text[opened:])
     if isinstance(parsed, str) or not parsed or any(name not in calls.functions for name, _ in parsed):
         return text, []
@@ -71,7 +78,9 @@ def split_reply(text: str, calls: Calls | None) -> tuple[str | None, list[dict[s
         }
         for name, arguments in parsed
     ]
-    return text[:opened].strip() or None, tool_calls
+    after = text[closed + len(CALL_CLOSE) :].split(CALL_OPEN)[0]  # not an open block's beginning
+    content = "\n".join(part for part in (text[:opened].strip(), after.strip()) if part)
+    return content or None, tool_calls
 
 
 class ContentStream:
