@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_bench_rollouts import write_adapter_for, write_grpo
 from test_grpo import metrics, write_config
 from test_serve import running, without_key
 
 from retrograd.config import JudgeContextSection, JudgeSection, JudgeStrategySection, load_config
 from retrograd.errors import ConfigError
+from retrograd.evaluation import bench
 from retrograd.recipes import grpo
 from retrograd.rollouts.judge import JudgeError, RulerJudge, bradley_terry, elide
 from retrograd.rollouts.rewards import _reward_in
@@ -259,3 +261,19 @@ def test_judge_weight_in_a_reply_needs_a_judge_and_a_finite_weight():
                                    (b'{"reward": 1, "judge_weight": -1}', True, "expected a finite number >= 0")):
         with pytest.raises(Exception, match=re.escape(message)):
             _reward_in(line, {}, "request 1", allowed)
+
+
+@pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
+def test_bench_judges_base_and_adapter_samples_in_one_group(endpoint, tmp_path, smollm2):
+    cfg = write_grpo(tmp_path)
+    cfg.write_text(cfg.read_text().replace("[grpo.sampling]", (
+        f'judge_weight = 1.0\n[grpo.judge]\ntype = "ruler"\nbase_url = "{endpoint.url}"\nmodel = "judge"\n[grpo.sampling]')))
+    changed = write_adapter_for(smollm2, tmp_path / "changed.gguf", 0.05)
+    result = bench.run(load_config(cfg), SilentReporter(), bench.BenchOptions(adapter=changed, samples=2))
+    assert len(endpoint.bodies) == len(result.prompts)  # one request per prompt, holding both sides' samples
+    assert all(body["messages"][1]["content"].count("[response ") == 4 for body in endpoint.bodies)
+    for side in (result.base, result.adapter):
+        for sample in (s for prompt in side.samples for s in prompt):
+            assert sample.verdict == min(1.0, len(sample.text.strip()) / 40)  # what the scripted judge says
+    judge_row = next(r for r in result.rows() if r.group == "judge")
+    assert judge_row.adapter == pytest.approx(np.mean([s.verdict for p in result.adapter.samples for s in p]))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from retrograd.gguf.file import GGUFFile
 from retrograd.recipes import agent_grpo, grpo
 from retrograd.recipes.common import open_chat
 from retrograd.rollouts.agent import AgentRollouts, Request, Trajectory, trajectory_reward
+from retrograd.rollouts.judge import judge_group, make_judge
 from retrograd.rollouts.rewards import make_reward
 from retrograd.runtime.bundled import default_model_path
 from retrograd.sampler import GroupRequest, Sampler, Sampling
@@ -67,6 +69,7 @@ class Sample:
     reward: float
     success: bool
     failed: bool = False  # agent: its sandbox or a tool broke
+    verdict: float | None = None  # GRPO with a judge: its verdict, base and adapter judged in one group
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,10 @@ class RolloutBench:
         agent = self.algorithm == "agent_grpo"
         completions = "trajectories" if agent else "completions"
         failed = [row(completions, "failed (sandbox or tool broke)", lambda p: p.mean_of("failed"), 4, -1)] if agent else []
+        judged = self.base.flat and self.base.flat[0].verdict is not None
+        judge = [row("judge", "mean verdict (sides judged in one group)", lambda p: p.mean_of("verdict"), 4, 1)] if judged else []
         return [
+            *judge,
             row("reward", "mean", lambda p: p.mean_of("reward"), 4, 1),
             row("reward", "stddev", lambda p: p.reward_std, 4),
             row("reward", f"success rate ({self.success})", lambda p: p.mean_of("success"), 4, 1),
@@ -183,7 +189,27 @@ def bench_grpo(cfg: Config, reporter: Reporter, options: BenchOptions) -> Rollou
             return [flat[n * k:(n + 1) * k] for n in range(len(chunk))]
 
         base, tuned = _passes(sampler, adapter, len(prompts), max(1, sampler_opts.n_seq_max // k), answer, reporter, "prompts")
+    if g.judge is not None:
+        base, tuned = _judged(g.judge, prompts, base, tuned, reporter)
     return RolloutBench("grpo", data_path, adapter_path, tuple(p.text for p in prompts), k, f"reward ≥ {success_at:g}", base, tuned)
+
+
+def _judged(section, prompts, base: RolloutPass, tuned: RolloutPass | None, reporter: Reporter):
+    """Both passes with the judge's verdicts: each prompt's base and adapter samples are judged
+    together, as one group, so that the verdicts (relative within a group) compare the sides."""
+    reporter.message(f"judge: {section.type} verdicts on {len(prompts)} prompt(s), base and adapter samples together")
+    sides = [base] + ([tuned] if tuned is not None else [])
+    with make_judge(section) as judge, ThreadPoolExecutor(section.max_concurrency) as pool:
+        def one(i: int) -> list[float]:
+            texts = [s.text for side in sides for s in side.samples[i]]
+            return judge_group(judge, prompts[i].text, texts, prompts[i].rubric)
+
+        verdicts = list(pool.map(one, range(len(prompts))))
+    k = len(base.samples[0]) if base.samples else 0
+    out = [RolloutPass(tuple(tuple(dataclasses.replace(s, verdict=v[n * k + j]) for j, s in enumerate(side.samples[i]))
+                             for i, v in enumerate(verdicts)), side.seconds)
+           for n, side in enumerate(sides)]
+    return out[0], out[1] if tuned is not None else None
 
 
 # ----------------------------------------------------------------------------- agent GRPO
