@@ -277,6 +277,7 @@ class Generation:
         rng = np.random.default_rng(s.seed)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stops = StopStrings(s.stop)
+
         def pick(logits: np.ndarray) -> int:
             return int(np.argmax(logits)) if sampling is None else sample_token(logits, sampling, rng)[0]
 
