@@ -199,6 +199,7 @@ def test_grpo_adds_the_weighted_verdict_to_the_reward(endpoint, tmp_path):
         assert record["reward"] == pytest.approx(brevity + 2.0 * record["judge_verdict"], abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["fail"], indirect=True)
 def test_a_failing_judge_drops_groups_and_then_stops_the_run(endpoint, tmp_path):
     cfg = judged_config(tmp_path, endpoint.url, extra="max_judge_dropped_fraction = 1.0")
@@ -238,6 +239,7 @@ for line in sys.stdin:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
 def test_a_reward_program_may_set_the_judge_weight_per_completion(endpoint, tmp_path):
     program = tmp_path / "weigh.py"

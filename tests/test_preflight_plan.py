@@ -19,6 +19,9 @@ from preflight_accuracy import measure_train  # noqa: E402  (the same measuremen
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 EXAMPLES = Path(__file__).parents[1] / "examples"
 GiB = 2**30
+# The probe and the run it predicts use the same threads: with threads_follow_load, each would
+# pick its own count from the load it happens to see (the probe's watcher, the test before).
+FIXED_THREADS = "threads = 2\nthreads_follow_load = false"
 
 
 def sft_config(tmp: Path, *, rows: int = 64, micro_batch: int = 256, training: str = "", lora: str = "") -> Path:
@@ -39,6 +42,7 @@ ctx = 128
 micro_batch = {micro_batch}
 epochs = 1
 lr = 1e-3
+{FIXED_THREADS}
 {training}
 [sft]
 data = "train.jsonl"
@@ -61,6 +65,7 @@ alpha = 16.0
 ctx = 128
 micro_batch = 512
 lr = 2e-4
+{FIXED_THREADS}
 [grpo]
 prompts = "prompts.jsonl"
 reward_command = ["{sys.executable}", "{EXAMPLES / 'smoke_rl_reward.py'}"]
