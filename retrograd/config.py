@@ -44,7 +44,7 @@ def key(default: Any = _REQUIRED, *, choices=None, gt=None, ge=None, le=None, lt
 
 @section
 class RunSection:
-    algorithm: str = key(choices=("sft", "grpo", "agent_grpo", "distill", "preference"))
+    algorithm: str = key(choices=("sft", "ppo", "grpo", "agent_grpo", "distill", "preference"))
     verbose: bool = key(False)
 
 
@@ -232,6 +232,34 @@ class GRPOSection:
 
 
 @section
+class CriticSection:
+    enabled: bool = key(True)  # false: REINFORCE with a KL penalty, the batch-whitened reward on every token
+    gamma: float = key(1.0, gt=0, le=1)
+    gae_lambda: float = key(0.95, ge=0, le=1)
+    value_lr: float = key(0.01, gt=0)
+    value_epochs: int = key(8, ge=1)
+    feature_dtype: str = key("f32", choices=("f32", "f16", "bf16"))  # the update's feature matrix
+
+
+@section
+class PPOSection:
+    prompts: Path = key()
+    reward_command: list[str] | None = key(None)
+    reward_function: str | None = key(None)  # "module:function" or "file.py:function"
+    reward_mode: str = key("persistent", choices=("persistent", "oneshot"))
+    reward_timeout_seconds: float = key(300.0, gt=0)
+    updates: int = key(ge=1)
+    rollout_batch_size: int = key(ge=1)  # prompts per update, one completion each
+    ppo_epochs: int = key(ge=1)
+    minibatches: int = key(1, ge=1)
+    clip_range: float = key(gt=0, lt=1)
+    kl_coefficient: float = key(ge=0)  # k3 penalty toward the policy that sampled the batch
+    prompt_order: str = key("sequential", choices=("sequential", "shuffled", "shuffle"))
+    critic: CriticSection = key(CriticSection())
+    sampling: SamplingSection = key()
+
+
+@section
 class JudgeStrategySection:
     mode: str = key("auto", choices=("auto", "listwise", "chunked", "pairwise"))  # auto: listwise, chunked when too long
     anchor: bool = key(True)  # chunked: the first member in every chunk, scores shifted to agree on it
@@ -373,6 +401,7 @@ SECTION_TYPES: dict[str, type] = {
     "evaluation": EvaluationSection,
     "checkpoint": CheckpointSection,
     "metrics": MetricsSection,
+    "ppo": PPOSection,
     "grpo": GRPOSection,
     "agent": AgentSection,
     "distill": DistillSection,
@@ -382,14 +411,14 @@ SECTION_TYPES: dict[str, type] = {
     "reference": ReferenceSection,
 }
 COMMON_SECTIONS = ("run", "model", "output", "lora", "training", "evaluation", "checkpoint", "metrics")
-ALGORITHM_SECTIONS = {"sft": ("sft",), "grpo": ("grpo", "observe", "rollout"), "agent_grpo": ("agent", "observe"),
+ALGORITHM_SECTIONS = {"sft": ("sft",), "ppo": ("ppo", "observe"), "grpo": ("grpo", "observe", "rollout"), "agent_grpo": ("agent", "observe"),
                       "distill": ("distill", "rollout"), "preference": ("preference", "reference")}
 REQUIRED_SECTIONS = ("run", "output")
 DEFAULTED_SECTIONS = ("model", "lora", "training", "metrics")
 ROLLOUT_ONLY_TRAINING_KEYS = ("generation_concurrency", "generation_batch", "generation_threads", "fast_sampling_context",
                               "kv_dtype", "max_async_rollout")
 # Passes over the data of one update, per rollout algorithm: training.epochs is SFT's.
-ROLLOUT_EPOCH_KEYS = {"grpo": "grpo.grpo_epochs", "agent_grpo": "agent.epochs_per_update",
+ROLLOUT_EPOCH_KEYS = {"ppo": "ppo.ppo_epochs", "grpo": "grpo.grpo_epochs", "agent_grpo": "agent.epochs_per_update",
                       "distill": "distill.distill_epochs (on_policy) or distill.offline_epochs (topk_offline)"}
 ASYNC_TIS_CAP = 2.0  # the tis_cap of an asynchronous run that sets none (a note says so at start-up)
 # Rust retrograd keys that have nothing to do here: accepted, so its configs run unchanged, with a note.
@@ -409,6 +438,7 @@ class Config:
     training: TrainingSection
     metrics: MetricsSection
     sft: SFTSection | None = None
+    ppo: PPOSection | None = None
     grpo: GRPOSection | None = None
     agent: AgentSection | None = None
     distill: DistillSection | None = None
@@ -516,7 +546,7 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
     if algorithm in ("sft", "preference"):
         for k in ROLLOUT_ONLY_TRAINING_KEYS:
             if f"training.{k}" in explicit:
-                problems.append(f"training.{k} applies to rollout algorithms (grpo, agent_grpo, distill), not {algorithm}")
+                problems.append(f"training.{k} applies to rollout algorithms (ppo, grpo, agent_grpo, distill), not {algorithm}")
     preference: PreferenceSection | None = s.get("preference")
     if preference is not None:
         reads = PREFERENCE_LOSS_KEYS[preference.loss]
@@ -555,8 +585,9 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
         problems.append("training.max_async_rollout applies to rollout algorithms; distill mode 'topk_offline' samples nothing")
     if algorithm in ROLLOUT_EPOCH_KEYS and "training.epochs" in explicit:
         problems.append(f"training.epochs does not apply to {algorithm}: set {ROLLOUT_EPOCH_KEYS[algorithm]}")
-    if algorithm in ("grpo", "agent_grpo", "distill") and not offline and "training.gradient_accumulation" in explicit:
-        problems.append(f"training.gradient_accumulation does not apply to {algorithm}: one optimizer step per minibatch (grpo.minibatches)")
+    if algorithm in ("ppo", "grpo", "agent_grpo", "distill") and not offline and "training.gradient_accumulation" in explicit:
+        where = {"ppo": " (ppo.minibatches)", "grpo": " (grpo.minibatches)", "agent_grpo": " (agent.minibatches)"}.get(algorithm, "")
+        problems.append(f"training.gradient_accumulation does not apply to {algorithm}: one optimizer step per minibatch{where}")
     if training.require_gpu_resident and s["model"].device == "cpu":
         problems.append("training.require_gpu_resident = true with model.device = 'cpu': nothing would run on a GPU")
     grpo: GRPOSection | None = s.get("grpo")
@@ -583,6 +614,23 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
                 problems.append("grpo.judge_weight is required with [grpo.judge] (r = reward + judge_weight x verdict)")
         elif grpo.judge_weight is not None:
             problems.append("grpo.judge_weight needs a [grpo.judge]")
+    ppo: PPOSection | None = s.get("ppo")
+    if ppo is not None:
+        if (ppo.reward_command is None) == (ppo.reward_function is None):
+            problems.append("[ppo] needs exactly one of reward_command (a program) or reward_function (module:function)")
+        if ppo.reward_mode != "persistent" and ppo.reward_function is not None:
+            problems.append("ppo.reward_mode applies to reward_command, not reward_function")
+        if ppo.sampling.max_new_tokens >= training.ctx:
+            problems.append(f"ppo.sampling.max_new_tokens = {ppo.sampling.max_new_tokens} leaves no room for a prompt in training.ctx = {training.ctx}")
+        if ppo.minibatches > ppo.rollout_batch_size:
+            problems.append(f"ppo.minibatches = {ppo.minibatches} is more than the {ppo.rollout_batch_size} completions of an update")
+        if ppo.sampling.top_p < 1:
+            problems.append(_truncated_sampling("ppo.sampling.top_p", ppo.sampling.top_p))
+        if not ppo.critic.enabled and ppo.critic.feature_dtype != "f32":
+            problems.append("ppo.critic.feature_dtype applies to an enabled critic (ppo.critic.enabled = false)")
+        if training.max_async_rollout:
+            problems.append("training.max_async_rollout applies to grpo, agent_grpo and distill: ppo's critic reads the "
+                            "trunk that sampled each batch")
     if distill is not None:
         on_policy = distill.mode == "on_policy"
         for k in OFFLINE_ONLY if on_policy else ON_POLICY_ONLY:

@@ -133,7 +133,7 @@ def test_resume_under_async_restarts_the_producer_and_says_so(tmp_path, tiny_mod
 
 
 @pytest.mark.parametrize("algorithm,needle", [
-    ("sft", "training.max_async_rollout applies to rollout algorithms (grpo, agent_grpo, distill), not sft"),
+    ("sft", "training.max_async_rollout applies to rollout algorithms (ppo, grpo, agent_grpo, distill), not sft"),
     ("offline", "training.max_async_rollout applies to rollout algorithms; distill mode 'topk_offline' samples nothing"),
 ])
 def test_max_async_rollout_where_nothing_is_sampled_is_refused(tmp_path, algorithm, needle):

@@ -254,5 +254,5 @@ def test_options_that_do_not_apply_are_refused(tmp_path):
     with pytest.raises(DataError, match=r"--adapter .*nope.gguf: no such file"):
         bench.run(load_config(cfg), SilentReporter(), bench.BenchOptions(adapter=tmp_path / "nope.gguf"))
     (tmp_path / "sft.toml").write_text('[run]\nalgorithm = "sft"\n[output]\npath = "a.gguf"\n[sft]\ndata = "prompts.jsonl"\n')
-    with pytest.raises(ConfigError, match="--samples: applies to grpo and agent_grpo configs, not sft"):
+    with pytest.raises(ConfigError, match="--samples: applies to ppo, grpo, agent_grpo configs, not sft"):
         bench.run(load_config(tmp_path / "sft.toml"), SilentReporter(), bench.BenchOptions(samples=2))

@@ -40,18 +40,18 @@ def bench(
         Path | None,
         typer.Option(
             "--data",
-            help="Examples to measure (default: \\[evaluation].data, else \\[sft].data; grpo and agent_grpo: held-out "
+            help="Examples to measure (default: \\[evaluation].data, else \\[sft].data; ppo, grpo and agent_grpo: held-out "
             "prompts or scenarios, \\[evaluation].data by default).",
         ),
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Measure only the first N examples.")] = None,
     samples: Annotated[
         int | None,
-        typer.Option("--samples", min=1, help="grpo, agent_grpo: completions per prompt, same seeds for base and adapter (default 4)."),
+        typer.Option("--samples", min=1, help="ppo, grpo, agent_grpo: completions per prompt, same seeds for base and adapter (default 4)."),
     ] = None,
     success_at: Annotated[
         float | None,
-        typer.Option("--success-at", help="grpo: a completion succeeds when its reward is at least this (default 1)."),
+        typer.Option("--success-at", help="ppo, grpo: a completion succeeds when its reward is at least this (default 1)."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", help="Also print one line per example or prompt.")] = False,
     model: ModelOpt = None,

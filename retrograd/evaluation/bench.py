@@ -140,7 +140,7 @@ def run(cfg: Config, reporter: Reporter, options: BenchOptions = BenchOptions())
     if cfg.run.algorithm not in ROLLOUT_BENCHES:
         for flag, value in (("--samples", options.samples), ("--success-at", options.success_at)):
             if value is not None:
-                raise ConfigError(f"{flag}: applies to {' and '.join(ROLLOUT_BENCHES)} configs, not {cfg.run.algorithm}")
+                raise ConfigError(f"{flag}: applies to {', '.join(ROLLOUT_BENCHES)} configs, not {cfg.run.algorithm}")
     return bench(cfg, reporter, options)
 
 

@@ -43,7 +43,7 @@ from retrograd.evaluation.common import (
 )
 from retrograd.gguf.adapter import AdapterFile, read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
-from retrograd.recipes import agent_grpo, grpo
+from retrograd.recipes import agent_grpo, grpo, ppo
 from retrograd.recipes.common import open_chat
 from retrograd.rollouts.agent import AgentRollouts, Request, Trajectory, trajectory_reward
 from retrograd.rollouts.judge import judge_group, make_judge
@@ -101,7 +101,7 @@ class RolloutPass:
 
 @dataclass(frozen=True)
 class RolloutBench:
-    algorithm: str  # grpo | agent_grpo
+    algorithm: str  # ppo | grpo | agent_grpo
     data: Path
     adapter_path: Path | None  # None: the base alone was measured
     prompts: tuple[str, ...]  # the reward's prompt text, or the scenario id
@@ -161,8 +161,10 @@ def excerpt(text: str) -> str:
 # ----------------------------------------------------------------------------- GRPO
 
 
-def bench_grpo(cfg: Config, reporter: Reporter, options: BenchOptions) -> RolloutBench:
-    g, t = cfg.grpo, cfg.training
+def bench_prompts(cfg: Config, reporter: Reporter, options: BenchOptions) -> RolloutBench:
+    """grpo and ppo: sampled answers to held-out prompts, scored by the run's reward (and judge)."""
+    g, t = cfg.grpo or cfg.ppo, cfg.training
+    judge = getattr(g, "judge", None)
     data_path = held_out_path(cfg, options, "prompts")
     adapter_path, adapter = _adapter(cfg, options, reporter)
     chat = open_chat(cfg)
@@ -176,7 +178,7 @@ def bench_grpo(cfg: Config, reporter: Reporter, options: BenchOptions) -> Rollou
     reporter.message(f"bench: {len(prompts)} prompt(s) from {data_path}, {k} sample(s) each, "
                      f"temperature {sampling.temperature:g}, top_p {sampling.top_p:g}, max_new_tokens {sampling.max_new_tokens}")
     reward = make_reward(command=g.reward_command, mode=g.reward_mode, timeout_seconds=g.reward_timeout_seconds, function=g.reward_function)
-    sampler_opts = grpo.sampler_options(cfg)
+    sampler_opts = (grpo if cfg.grpo else ppo).sampler_options(cfg)
     with reward, Sampler(_model_path(cfg), sampler_opts) as sampler:
         eog = sampler.eog_ids
 
@@ -189,9 +191,9 @@ def bench_grpo(cfg: Config, reporter: Reporter, options: BenchOptions) -> Rollou
             return [flat[n * k:(n + 1) * k] for n in range(len(chunk))]
 
         base, tuned = _passes(sampler, adapter, len(prompts), max(1, sampler_opts.n_seq_max // k), answer, reporter, "prompts")
-    if g.judge is not None:
-        base, tuned = _judged(g.judge, prompts, base, tuned, reporter)
-    return RolloutBench("grpo", data_path, adapter_path, tuple(p.text for p in prompts), k, f"reward ≥ {success_at:g}", base, tuned)
+    if judge is not None:
+        base, tuned = _judged(judge, prompts, base, tuned, reporter)
+    return RolloutBench(cfg.run.algorithm, data_path, adapter_path, tuple(p.text for p in prompts), k, f"reward ≥ {success_at:g}", base, tuned)
 
 
 def _judged(section, prompts, base: RolloutPass, tuned: RolloutPass | None, reporter: Reporter):
@@ -318,5 +320,5 @@ def _adapter(cfg: Config, options: BenchOptions, reporter: Reporter) -> tuple[Pa
 
 
 ROLLOUT_BENCHES: dict[str, Callable[[Config, Reporter, BenchOptions], RolloutBench]] = {
-    "grpo": bench_grpo, "agent_grpo": bench_agent_grpo,
+    "ppo": bench_prompts, "grpo": bench_prompts, "agent_grpo": bench_agent_grpo,
 }

@@ -300,6 +300,7 @@ def generation_concurrency(cfg: Config) -> int | None:
     from retrograd.recipes.common import rollout_sampler_options
 
     per_update = {
+        "ppo": lambda: cfg.ppo.rollout_batch_size,
         "grpo": lambda: cfg.grpo.prompts_per_update * cfg.grpo.group_size,
         "agent_grpo": lambda: cfg.agent.scenarios_per_update * cfg.agent.group_size,
         "distill": lambda: cfg.distill.prompts_per_update * cfg.distill.samples_per_prompt if cfg.distill.mode == "on_policy" else None,

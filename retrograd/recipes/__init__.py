@@ -11,6 +11,12 @@ def _sft(cfg, reporter, resume=None):
     return sft.run(cfg, reporter, resume=resume)
 
 
+def _ppo(cfg, reporter, resume=None):
+    from retrograd.recipes import ppo
+
+    return ppo.run(cfg, reporter, resume=resume)
+
+
 def _grpo(cfg, reporter, resume=None):
     from retrograd.recipes import grpo
 
@@ -35,5 +41,5 @@ def _preference(cfg, reporter, resume=None):
     return preference.run(cfg, reporter, resume=resume)
 
 
-RECIPES: dict[str, Callable] = {"sft": _sft, "grpo": _grpo, "agent_grpo": _agent_grpo, "distill": _distill,
+RECIPES: dict[str, Callable] = {"sft": _sft, "ppo": _ppo, "grpo": _grpo, "agent_grpo": _agent_grpo, "distill": _distill,
                                 "preference": _preference}

@@ -281,7 +281,7 @@ class AgentRecipe:
 
     # ---------------------------------------------------------------- training samples
 
-    def plan(self, batch: Batch, state: dict) -> TrainPlan:
+    def plan(self, batch: Batch, state: dict, clock: PhaseClock) -> TrainPlan:
         """Who stays in its group, group advantages with the step rewards' returns per token,
         and the failure policy."""
         a, update = self.a, batch.update

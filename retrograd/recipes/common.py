@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from retrograd.config import Config
-from retrograd.data import ChatFormat, resolve_chat_template
+from retrograd.data import ChatFormat, Prompts, evenly_spaced, load_prompts, resolve_chat_template
 from retrograd.errors import ConfigError, DeviceError, TrainingDiverged
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
@@ -200,6 +200,19 @@ def load_adapter_weights(adapter: Adapter, path: Path) -> None:
             layer.lora_b.copy_(torch.from_numpy(w.b) * (loaded.alpha / loaded.rank) / layer.scale)
 
 
+def run_prompts(cfg: Config, chat: ChatFormat, path: Path, max_new_tokens: int, reporter) -> tuple[Prompts, tuple]:
+    """A sampling run's training prompts and its held-out ones ([evaluation], evenly spaced;
+    () without), each leaving max_new_tokens of training.ctx, described at start-up."""
+    budget = cfg.training.ctx - max_new_tokens
+    prompts = load_prompts(path, chat, max_tokens=budget)
+    reporter.message(f"prompts: {prompts.description}")
+    if not cfg.evaluation:
+        return prompts, ()
+    held_out = load_prompts(cfg.evaluation.data, chat, max_tokens=budget, evaluation=True)
+    reporter.message(f"evaluation: {held_out.description}")
+    return prompts, evenly_spaced(held_out, cfg.evaluation.max_examples)
+
+
 def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     """Everything that shapes the trajectory; a resume is refused when any of it differs."""
     cfg = setup.cfg
@@ -217,7 +230,7 @@ def signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     }
     for name, path in data_files.items():
         sig[name] = content_hash(path)
-    for section in ("sft", "grpo", "preference"):
+    for section in ("sft", "ppo", "grpo", "preference"):
         value = getattr(cfg, section, None)
         if value is not None:
             sig[section] = {k: v for k, v in dataclasses.asdict(value).items() if k not in ("data", "prompts")}

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from retrograd.config import Config
-from retrograd.data import Prompt, completion_seed, evenly_spaced, load_prompts, order_name, prompt_index
+from retrograd.data import Prompt, completion_seed, order_name, prompt_index
 from retrograd.objectives.advantages import baseline_name, group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
@@ -42,6 +42,7 @@ from retrograd.recipes.common import (
     open_rollout_sampler,
     prepare,
     rollout_sampler_options,
+    run_prompts,
     signature,
 )
 from retrograd.rollouts.judge import JudgeError, RulerJudge, judge_group, make_judge
@@ -88,7 +89,7 @@ def sampler_options(cfg: Config) -> SamplerOptions:
 
 
 def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> RolloutResult:
-    g, t = cfg.grpo, cfg.training
+    g = cfg.grpo
     baseline_rss = rss_bytes()
     reward = make_reward(
         command=g.reward_command, mode=g.reward_mode, timeout_seconds=g.reward_timeout_seconds, function=g.reward_function
@@ -96,14 +97,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     reward.judge_weight_allowed = g.judge is not None
     with reward, (make_judge(g.judge) if g.judge else contextlib.nullcontext()) as judge:
         chat = open_chat(cfg)
-        budget = t.ctx - g.sampling.max_new_tokens
-        prompts = load_prompts(g.prompts, chat, max_tokens=budget)
-        reporter.message(f"prompts: {prompts.description}")
-        eval_prompts = ()
-        if cfg.evaluation:
-            held_out = load_prompts(cfg.evaluation.data, chat, max_tokens=budget, evaluation=True)
-            reporter.message(f"evaluation: {held_out.description}")
-            eval_prompts = evenly_spaced(held_out, cfg.evaluation.max_examples)
+        prompts, eval_prompts = run_prompts(cfg, chat, g.prompts, g.sampling.max_new_tokens, reporter)
         setup = prepare(cfg, reporter, chat)
         t0, r0 = time.perf_counter(), rss_bytes()
         with on_rank_zero(setup.device, lambda: open_rollout_sampler(cfg, setup.model.path, sampler_options(cfg))) as sampler:
@@ -272,7 +266,7 @@ class GRPORollouts:
 
     # ---------------------------------------------------------------- training samples
 
-    def plan(self, batch: Batch, state: dict) -> TrainPlan:
+    def plan(self, batch: Batch, state: dict, clock: PhaseClock) -> TrainPlan:
         """Group advantages per wave (as they were sampled), the truncation mask, the KL
         coefficient of this update and the stall counter."""
         g = self.g

@@ -28,7 +28,7 @@ METRICS_SUFFIX = ".metrics.jsonl"
 ROLLOUT_ROWS_CAP = 2000  # rows in the rollout browser: whole updates, evenly spread over the run
 TIMELINE_CAP = 60  # updates on the timeline and in the counters table, evenly spread over the run
 TEXT_CAP = 4000  # characters of one prompt, completion, turn or tool observation
-ROLLOUT_ALGORITHMS = ("grpo", "agent_grpo")
+ROLLOUT_ALGORITHMS = ("ppo", "grpo", "agent_grpo")
 
 # (panel title, y-axis title, series drawn as lines, series drawn as markers: evaluation points)
 CURVES = (

@@ -177,14 +177,19 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def batch_logprobs(model: Transformer, batch: PackedBatch, options: LogprobOptions = LogprobOptions()) -> torch.Tensor:
-    """Log-probabilities [N] of the batch's trained tokens, differentiable w.r.t. the LoRA."""
+def batch_hidden(model: Transformer, batch: PackedBatch) -> torch.Tensor:
+    """The final hidden states [N, E] that predict the batch's trained tokens (the state
+    before each of them)."""
     hidden = model(batch.tokens, batch.layout, past=batch.past)  # [T, E]
     if batch.earlier_hidden is not None:
         hidden = torch.cat([batch.earlier_hidden, hidden])  # [C + T, E]
-    selected = hidden.index_select(0, batch.hidden_index)  # [N, E]: logits only where loss is
+    return hidden.index_select(0, batch.hidden_index)  # [N, E]
+
+
+def batch_logprobs(model: Transformer, batch: PackedBatch, options: LogprobOptions = LogprobOptions()) -> torch.Tensor:
+    """Log-probabilities [N] of the batch's trained tokens, differentiable w.r.t. the LoRA."""
     logprobs, _ = LOGPROB_PATHS[options.path](
-        selected,
+        batch_hidden(model, batch),  # [N, E]: logits only where loss is
         model.output,
         batch.targets.unsqueeze(1),  # [N, 1]
         compute_dtype=model.compute_dtype,

@@ -225,7 +225,7 @@ class _Loop:
             clock[phase] = clock.get(phase, 0.0) + seconds
         batch = delivery.batch
         state = {k: self.progress[k] for k in recipe.state}
-        plan = recipe.plan(batch, state)
+        plan = recipe.plan(batch, state, clock)
         c = delivery.counters
         metrics = batch.metrics | delivery.metrics | plan.metrics | {
             "timing/waiting_for_adapter_seconds": c.get("waiting_for_adapter_seconds", 0.0),
@@ -256,7 +256,7 @@ class _Loop:
     def _policy_update(self, update: int, samples: list[TrainSample], beta: float, clock: PhaseClock) -> UpdateResult:
         r = self.recipe
         return self.policy.update(update, samples, beta=beta, epochs=r.epochs, minibatches=r.minibatches,
-                                  budget_tokens=r.budget_tokens, timing=clock)
+                                  budget_tokens=r.budget_tokens, timing=clock, kl_reference=r.kl_reference)
 
     def _finish_update(self, record: UpdateRecord, delivery: Delivery, plan: TrainPlan, result, rollouts_file) -> bool:
         """Log, write, report, evaluate and checkpoint one update. Returns True to stop."""

@@ -71,7 +71,7 @@ class RolloutRecipe:
     columns: tuple[str, ...]  # the table's columns after update and step
     loss_key: str
     produce: Callable[[int, int, PhaseClock], Batch]  # (update, cursor, clock) -> the update's rollouts
-    plan: Callable[[Batch, dict], TrainPlan]  # (batch, state) -> samples and decisions
+    plan: Callable[[Batch, dict, PhaseClock], TrainPlan]  # (batch, state, clock) -> samples and decisions
     record: Callable[[Any, Decision, list | None, int, int], dict]  # (rollout, decision, policy log-probs, update, cap)
     row: Callable[[dict], dict]  # metrics -> the table's values for `columns`
     status: Callable[[dict], str]  # metrics -> the progress bar's text
@@ -79,3 +79,4 @@ class RolloutRecipe:
     state: dict = field(default_factory=dict)  # the recipe's counters at the start of a run
     settle: Callable[[dict, dict], dict] | None = None  # (state, metrics) -> state, after the optimizer
     train: Callable[..., UpdateResult] | None = None  # replaces PolicyOptimizer.update (distill's jsd)
+    kl_reference: str = "base"  # what the KL term pulls toward: "base" (adapter off) or "behavior" (ppo)

@@ -74,9 +74,11 @@ class PolicyOptimizer:
         self.total_steps = schedule.total_steps  # re-planned at every update (Schedule.total_from)
 
     def update(self, update: int, samples: list[TrainSample], *, beta: float, epochs: int, minibatches: int,
-               budget_tokens: int, timing: PhaseClock) -> UpdateResult:
+               budget_tokens: int, timing: PhaseClock, kl_reference: str = "base") -> UpdateResult:
         """Train on `samples`: `epochs` passes of up to `minibatches` optimizer steps; the
-        phases (behavior_scoring, reference, optimizer) are timed on `timing`."""
+        phases (behavior_scoring, reference, optimizer) are timed on `timing`. The KL term
+        (beta > 0) pulls toward the base model (the adapter off), or with kl_reference =
+        "behavior" toward the policy that sampled the batch (PPO's trust region)."""
         model = self.setup.model.transformer
         rollouts = [s.rollout for s in samples]
         minibatches = min(minibatches, len(samples))  # np.array_split would leave the rest empty
@@ -98,8 +100,8 @@ class PolicyOptimizer:
                     old[i] = logp
             ref = None
             if beta > 0:
-                if self.reuse_first_forward and adapter_is_zero(self.setup.adapter):
-                    ref = old  # the reference is the policy itself; filled in as `old` is
+                if kl_reference == "behavior" or (self.reuse_first_forward and adapter_is_zero(self.setup.adapter)):
+                    ref = old  # the reference is the behaviour policy; filled in as `old` is
                 else:
                     with self.setup.adapter.disabled():
                         ref = self._score(rollouts, timing, "reference")

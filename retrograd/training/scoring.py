@@ -14,14 +14,14 @@ times a large one.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from retrograd.data import TokenSequence
 from retrograd.model.transformer import Transformer
-from retrograd.training.batches import Group, LogprobOptions, SharedPrefix, batch_logprobs, pack
+from retrograd.training.batches import Group, LogprobOptions, SharedPrefix, batch_hidden, batch_logprobs, pack
 
 
 @dataclass(frozen=True)
@@ -97,18 +97,21 @@ def plan_shared(rollouts: Sequence[Rollout], budget: int) -> list[MicroBatch]:
 
 
 def scored_micro_batches(
-    model: Transformer, rollouts: Sequence[Rollout], batches: Sequence[MicroBatch], options: LogprobOptions, device
+    model: Transformer, rollouts: Sequence[Rollout], batches: Sequence[MicroBatch], options: LogprobOptions, device,
+    score: Callable | None = None,
 ) -> Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor]]:
-    """(batch, logp [B, T], mask [B, T]) for each of `batches` in turn (micro_batch_logprobs).
-    A split group's prompt is computed when its first micro-batch comes. Under autograd the
-    caller backpropagates each micro-batch's loss before asking for the next one; after the
-    group's last micro-batch its prompt's own backward runs."""
+    """(batch, logp [B, T], mask [B, T]) for each of `batches` in turn (micro_batch_logprobs,
+    or what `score` computes from the same packing: micro_batch_features). A split group's
+    prompt is computed when its first micro-batch comes. Under autograd the caller
+    backpropagates each micro-batch's loss before asking for the next one; after the group's
+    last micro-batch its prompt's own backward runs."""
+    score = score or micro_batch_logprobs
     shared: SharedPrefix | None = None
     for k, batch in enumerate(batches):
         chosen = [rollouts[i] for i in batch.rollouts]
         if batch.split and shared is None:
             shared = SharedPrefix(model, chosen[0].prompt, device)
-        yield batch, *micro_batch_logprobs(model, chosen, options, device, shared if batch.split else None)
+        yield batch, *score(model, chosen, options, device, shared if batch.split else None)
         last_of_group = k + 1 == len(batches) or not batches[k + 1].split or rollouts[batches[k + 1].rollouts[0]].group != chosen[0].group
         if shared is not None and last_of_group:
             shared.backward()
@@ -122,6 +125,23 @@ def micro_batch_logprobs(
     scored tokens, left-aligned and padded to the longest; rows in the order of `rollouts`;
     differentiable when grad is enabled. `shared`: the rollouts are members of one group
     whose prompt was computed already."""
+    batch, order = _packed(rollouts, device, shared)
+    return _per_rollout(batch_logprobs(model, batch, options), rollouts, order)
+
+
+def micro_batch_features(
+    model: Transformer, rollouts: Sequence[Rollout], options: LogprobOptions, device, shared: SharedPrefix | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch -> (features [B, T, E], mask [B, T]): the final hidden state before
+    each scored token (PPO's critic reads them), laid out as micro_batch_logprobs lays out
+    log-probs."""
+    batch, order = _packed(rollouts, device, shared)
+    return _per_rollout(batch_hidden(model, batch), rollouts, order)
+
+
+def _packed(rollouts: Sequence[Rollout], device, shared: SharedPrefix | None):
+    """The micro-batch packed with each group's prompt once, and the rollout of each packed
+    sequence in packing order."""
     by_group: dict[int, list[int]] = {}
     for i, r in enumerate(rollouts):
         by_group.setdefault(r.group, []).append(i)
@@ -130,26 +150,38 @@ def micro_batch_logprobs(
         prompt = rollouts[members[0]].prompt
         items.append(Group(prompt, tuple(rollouts[i].sequence() for i in members), shared))
         order += members
-    batch = pack(items, device)
-    flat = batch_logprobs(model, batch, options)  # [N] in packing order
+    return pack(items, device), order
+
+
+def _per_rollout(flat: torch.Tensor, rollouts: Sequence[Rollout], order: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token values [N, ...] in packing order -> ([B, T, ...] with rows in the order of
+    `rollouts`, left-aligned and zero-padded; mask [B, T])."""
     lengths = [rollouts[i].sequence().n_trained for i in order]
     width = max(lengths)
-    logp = flat.new_zeros(len(rollouts), width)  # [B, T]
+    out = flat.new_zeros(len(rollouts), width, *flat.shape[1:])  # [B, T, ...]
     mask = torch.zeros(len(rollouts), width, dtype=torch.bool, device=flat.device)  # [B, T]
     rows = torch.tensor(order, device=flat.device)
     cols = torch.cat([torch.arange(n, device=flat.device) for n in lengths])
     row_of = torch.repeat_interleave(rows, torch.tensor(lengths, device=flat.device))
-    logp = logp.index_put((row_of, cols), flat)
+    out = out.index_put((row_of, cols), flat)
     mask[row_of, cols] = True
-    return logp, mask
+    return out, mask
 
 
-def rollout_logprobs(model: Transformer, rollouts: Sequence[Rollout], options: LogprobOptions, budget: int, device) -> list[torch.Tensor]:
-    """Per-rollout log-prob vectors without gradients (behaviour or reference scoring)."""
+def rollout_logprobs(model: Transformer, rollouts: Sequence[Rollout], options: LogprobOptions, budget: int, device,
+                     score: Callable | None = None) -> list[torch.Tensor]:
+    """Per-rollout log-prob vectors [n] without gradients (behaviour or reference scoring),
+    or what `score` computes per scored token (rollout_features)."""
     out: list[torch.Tensor] = [None] * len(rollouts)  # type: ignore[list-item]
     batches = plan_shared(rollouts, budget)
     with torch.no_grad():
-        for batch, logp, mask in scored_micro_batches(model, rollouts, batches, options, device):
+        for batch, values, mask in scored_micro_batches(model, rollouts, batches, options, device, score):
             for row, i in enumerate(batch.rollouts):
-                out[i] = logp[row][mask[row]].float()
+                out[i] = values[row][mask[row]].float()
     return out
+
+
+def rollout_features(model: Transformer, rollouts: Sequence[Rollout], budget: int, device) -> list[torch.Tensor]:
+    """Per-rollout [n, E]: the final hidden state before each scored token, packed and split
+    over micro-batches as scoring packs them (PPO's critic reads them)."""
+    return rollout_logprobs(model, rollouts, LogprobOptions(), budget, device, score=micro_batch_features)

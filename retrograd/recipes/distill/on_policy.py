@@ -192,7 +192,7 @@ class OnPolicyRollouts:
 
     # ---------------------------------------------------------------- training samples
 
-    def plan(self, batch: Batch, state: dict) -> TrainPlan:
+    def plan(self, batch: Batch, state: dict, clock: PhaseClock) -> TrainPlan:
         """The completions mask_truncated leaves in; their per-token advantages are made in
         the update, from the student's log-probs before it (TeacherSample), so a decision
         carries none."""
