@@ -333,7 +333,9 @@ class AgentSection:
     system_suffix: str = key("")
     template_variables: dict = key({})
     seed: int = key(42, ge=0)
-    environment: dict = key({})  # [agent.environment]: validated by retrograd.rollouts.sandbox.EnvironmentOptions
+    environment: dict = key({})  # [agent.environment]: validated by retrograd.rollouts.sandbox.EnvironmentOptions (http: rollouts.http_env)
+    mcp_servers: tuple = key(())  # [[agent.mcp_servers]] tables: validated by retrograd.rollouts.mcp_tools
+    mcp_config: object = key(None)  # an mcp.json path or a list of them: validated by retrograd.rollouts.mcp_tools
     judge: JudgeSection | None = key(None)
 
 

@@ -48,7 +48,9 @@ from retrograd.rollouts.agent import (
     checked_prompt,
     trajectory_reward,
 )
+from retrograd.rollouts.http_env import HttpEnvironment, HttpEnvironmentOptions
 from retrograd.rollouts.judge import RulerJudge, judge_group, make_judge
+from retrograd.rollouts.mcp_tools import McpServers, server_options
 from retrograd.rollouts.rewards import Reward, RewardError
 from retrograd.rollouts.sandbox import EnvironmentOptions, SandboxPool, open_environment
 from retrograd.rollouts.scenarios import Scenario, load_scenarios
@@ -106,42 +108,61 @@ class AgentTask:
     eval_scenarios: tuple[Scenario, ...]
     judge: Reward | RulerJudge | None
     pool: SandboxPool | None = None
+    http: HttpEnvironment | None = None  # [agent.environment] type = "http": its client
+    mcp: McpServers | None = None  # [[agent.mcp_servers]], agent.mcp_config
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        if self.judge is not None:
-            self.judge.close()
+        for part in (self.pool, self.judge, self.http, self.mcp):
+            if part is not None:
+                part.close()
+
+    @property
+    def environment(self) -> str:
+        kind = self.options.type if self.options else "http" if self.http else "none (judge only)"
+        return kind + (f" + {len(self.mcp.servers)} mcp server(s)" if self.mcp else "")
 
 
 def open_task(cfg: Config) -> AgentTask:
-    """Checks every input the run depends on, cheapest first, and opens the sandbox pool
-    last (it checks the daemon and the image, or bubblewrap, and reaps dead runs' leftovers)."""
+    """Checks every input the run depends on, cheapest first: the options, then the servers
+    whose tools the prompts show (an http environment's tool list, the mcp servers, started
+    once for the run), the scenarios, and opens the sandbox pool last (it checks the daemon and
+    the image, or bubblewrap, and reaps dead runs' leftovers)."""
     a = cfg.agent
     base = open_chat(cfg)
     chat = ChatFormat(base.tokenizer, base.source, variables=a.template_variables, origin=base.origin)
     chat.require_template(a.scenarios)
     limits = RolloutLimits.from_agent(a, cfg.training.ctx)
-    catalog = options = None
-    if a.environment:
-        options = EnvironmentOptions.from_table(a.environment)
-        catalog = ToolCatalog.from_table(a.environment.get("tools", DEFAULT_TOOLS), cfg.path.parent)
-    scenarios = load_scenarios(a.scenarios, catalog, judged=a.judge is not None, system_suffix=a.system_suffix)
-    eval_scenarios = ()
-    if cfg.evaluation is not None:  # environment reward only, so every held-out scenario needs verify
-        eval_scenarios = evenly_spaced(
-            load_scenarios(cfg.evaluation.data, catalog, judged=False, system_suffix=a.system_suffix), cfg.evaluation.max_examples
-        )
-    for scenario in scenarios + eval_scenarios:
-        checked_prompt(chat, scenario, limits)
-    judge = make_judge(a.judge) if a.judge is not None else None
-    task = AgentTask(chat, limits, catalog, options, scenarios, eval_scenarios, judge)
-    if options is not None and launched_as_rank_zero():  # torchrun: the other ranks never run a tool
-        try:
+    http = a.environment.get("type") == "http"
+    http_options = HttpEnvironmentOptions.from_table(a.environment) if http else None
+    options = EnvironmentOptions.from_table(a.environment) if a.environment and not http else None
+    catalog = ToolCatalog.from_table(a.environment.get("tools", DEFAULT_TOOLS), cfg.path.parent) if options else None
+    servers = server_options(a.mcp_servers, a.mcp_config, cfg.path.parent)
+    task = AgentTask(chat, limits, catalog, options, (), (), None)
+    try:
+        if http_options is not None:
+            task.http = HttpEnvironment(http_options)
+            catalog = ToolCatalog.of("http", task.http.tools)
+        if servers:
+            task.mcp = McpServers(servers)
+            catalog = catalog.with_tools(task.mcp.tools, "agent.mcp_servers") if catalog else ToolCatalog.of("mcp", task.mcp.tools)
+        task.catalog = catalog
+        # scenarios without verify are scored by the judge, or by an http environment's step rewards
+        scored = a.judge is not None or http
+        task.scenarios = load_scenarios(a.scenarios, catalog, judged=scored, system_suffix=a.system_suffix,
+                                        sandboxed=options is not None)
+        if cfg.evaluation is not None:  # environment reward only, so every held-out scenario needs verify (or http)
+            task.eval_scenarios = evenly_spaced(
+                load_scenarios(cfg.evaluation.data, catalog, judged=http, system_suffix=a.system_suffix,
+                               sandboxed=options is not None), cfg.evaluation.max_examples
+            )
+        for scenario in task.scenarios + task.eval_scenarios:
+            checked_prompt(chat, scenario, limits)
+        task.judge = make_judge(a.judge) if a.judge is not None else None
+        if options is not None and launched_as_rank_zero():  # torchrun: the other ranks never run a tool
             task.pool = open_environment(options)
-        except BaseException:
-            task.close()
-            raise
+    except BaseException:
+        task.close()
+        raise
     return task
 
 
@@ -202,7 +223,7 @@ class AgentRecipe:
     def __init__(self, cfg: Config, sampler, task: AgentTask, reporter: Reporter):
         self.a, self.task, self.reporter = cfg.agent, task, reporter
         self.rollouts = AgentRollouts(sampler, task.chat, task.pool, task.options, task.limits,
-                                      concurrency=sampler_options(cfg).n_seq_max)
+                                      concurrency=sampler_options(cfg).n_seq_max, http=task.http)
 
     def recipe(self) -> RolloutRecipe:
         a, task = self.a, self.task
@@ -210,7 +231,7 @@ class AgentRecipe:
             name="agent_grpo",
             plan_line=(f"updates={a.updates}, epochs_per_update={a.epochs_per_update}, scenarios={len(task.scenarios)}, "
                        f"scenarios_per_update={a.scenarios_per_update}, group_size={a.group_size}, max_turns={a.max_turns}, "
-                       f"environment={task.options.type if task.options else 'none (judge only)'}"),
+                       f"environment={task.environment}"),
             updates=a.updates, epochs_label="agent_epochs_per_update", epochs=a.epochs_per_update, minibatches=a.minibatches,
             budget_tokens=task.limits.budget_tokens, phases=PHASES,
             columns=("loss", "reward", "turns", "calls", "trunc", "kl", "tok/s"), loss_key="policy/total_loss",
@@ -240,6 +261,8 @@ class AgentRecipe:
                 group, kept = self._judged(group, clock)
                 judged += 1
                 dropped += not kept
+            elif self.task.http is not None:  # the environment scored it, step by step
+                group = [t if t.failed else dataclasses.replace(t, terminal_reward=0.0) for t in group]
             scored += _scored(group, a.truncation)
         metrics = _rollout_metrics(trajectories) | {
             "judge/groups": float(judged), "judge/dropped_group_fraction": dropped / judged if judged else 0.0,
@@ -291,6 +314,7 @@ class AgentRecipe:
         rewards = torch.tensor([[s.reward for s in group] for group in groups], dtype=torch.float64)  # [groups, G]
         adv = group_advantages(rewards, live, baseline=baseline_name(a.baseline), scale_rewards=a.scale_rewards)
         decisions, samples, trained = [], [], []
+        prompts: dict[tuple[int, tuple[int, ...]], int] = {}  # members share a prompt unless an http reset's observation differs
         for i, group in enumerate(groups):
             for j, s in enumerate(group):
                 advantage, skip = float(adv.advantages[i, j]), skips[i][j]
@@ -299,7 +323,8 @@ class AgentRecipe:
                 decisions.append(Decision(advantage, skip is None, skip))
                 if skip is None:
                     t = s.trajectory
-                    samples.append(TrainSample(Rollout(t.group, t.prompt, t.tokens, t.mask), t.token_advantages(advantage),
+                    packing = prompts.setdefault((t.group, t.prompt), len(prompts))
+                    samples.append(TrainSample(Rollout(packing, t.prompt, t.tokens, t.mask), t.token_advantages(advantage),
                                                torch.tensor(t.logprobs)))
                     trained.append(len(decisions) - 1)
         n = len(decisions)
@@ -414,7 +439,7 @@ def trajectory_record(s: ScoredTrajectory, decision: Decision, policy_logprobs: 
         )
     return {
         "update": update + 1, "group": t.group, "member": t.member, "scenario": t.scenario.id, "source": t.scenario.source,
-        "stop": t.stop, "truncated": t.truncated, "turns": turns, "tokens": len(t.tokens), "sampled_tokens": sum(t.mask),
+        "stop": t.stop, "cause": t.cause, "truncated": t.truncated, "state": t.state, "turns": turns, "tokens": len(t.tokens), "sampled_tokens": sum(t.mask),
         "terminal_reward": t.terminal_reward, "step_rewards": [r for _, r in t.step_rewards], "reward": s.reward,
         "advantage": decision.advantage, "trained": decision.trained, "skip_reason": decision.skip_reason,
     }

@@ -16,6 +16,14 @@ trajectory ends when:
     template_rewrote_turn  the template rendered this turn's text differently (e.g. trimmed
                          its whitespace), so the tokens cannot grow on     (truncated)
     sandbox_broken       the sandbox or a tool broke; this trajectory only  (failed)
+    environment_broken   the http environment broke the episode (rollouts.http_env)  (failed)
+    tool_broken          an mcp server hung, erred or died (rollouts.mcp_tools)  (failed)
+
+A failed trajectory records its cause. With an http environment, each trajectory is one
+episode of the server: reset before the first turn (its opening observation becomes a user
+message after the scenario's, so that member's prompt is its own), its tools' calls are the
+episode's steps, its terminal state is read after the last turn, and it is closed at the end
+whatever happened.
 
 Rendering: the conversation goes through the model's chat template with
 retrograd.data's tool style (the template renders the catalogue and `tool` messages when
@@ -53,6 +61,7 @@ from retrograd.data.template import TemplateBudgetError
 from retrograd.data.tools import ERROR_PREFIX, ToolCall
 from retrograd.errors import DataError
 from retrograd.objectives.advantages import add_intermediate_returns
+from retrograd.rollouts.http_env import EnvironmentBroken, HttpEnvironment, HttpEpisode
 from retrograd.rollouts.sandbox import EnvironmentOptions, Sandbox, SandboxBroken, SandboxPool
 from retrograd.rollouts.scenarios import Scenario
 from retrograd.rollouts.tools import ToolResult
@@ -61,7 +70,7 @@ from retrograd.training.timeline import PhaseClock
 
 ENDED = ("no_tool_call", "submitted")
 TRUNCATED = ("max_turns", "max_trajectory_tokens", "max_rollout_secs", "max_failed_turns", "template_rewrote_turn")
-FAILED = ("sandbox_broken",)
+FAILED = ("sandbox_broken", "environment_broken", "tool_broken")
 STOPS = ENDED + TRUNCATED + FAILED
 NO_CALL = ("no tool call found; call a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
            "or call submit when you are done")
@@ -140,6 +149,8 @@ class Trajectory:
     stop: str
     terminal_reward: float | None  # verify's (or, in a record the recipe makes, the judge's)
     seconds: float  # wall time from the first turn to the end of verify
+    cause: str | None = None  # why it failed (a FAILED stop)
+    state: str | None = None  # an http environment's terminal state
 
     @property
     def truncated(self) -> bool:
@@ -151,8 +162,10 @@ class Trajectory:
 
     @property
     def completion(self) -> str:
-        """What a judge reads: the assistant turns' text without end-of-generation tokens."""
-        return "\n".join(turn.text for turn in self.turns)
+        """What a judge reads: the assistant turns' text without end-of-generation tokens, then
+        the environment's terminal state when it keeps one."""
+        text = "\n".join(turn.text for turn in self.turns)
+        return text if self.state is None else f"{text}\n[environment state]\n{self.state}"
 
     def token_advantages(self, advantage: float) -> torch.Tensor:
         """[] the group advantage, or [n_sampled] with the intermediate returns of the
@@ -182,6 +195,7 @@ class _Live:
     rendered: str  # the conversation's render up to the open assistant header
     messages: list[dict]
     sandbox: Sandbox | None = None
+    episode: HttpEpisode | None = None
     conversation: object = None  # retrograd.sampler.Conversation
     started: float = 0.0
     seconds: float = 0.0
@@ -191,6 +205,8 @@ class _Live:
     turns: list[Turn] = field(default_factory=list)
     step_rewards: list[tuple[int, float]] = field(default_factory=list)
     stop: str | None = None
+    cause: str | None = None
+    state: str | None = None
     terminal_reward: float | None = None
     calls: list[tuple[ToolCall, ...]] = field(default_factory=list)  # per assistant turn, as data.messages.Conversation holds them
     failed_turns: int = 0
@@ -214,7 +230,7 @@ class _Live:
         r = self.request
         return Trajectory(r.scenario, r.group, r.member, r.seed, self.prompt, tuple(self.tokens[:end]), tuple(self.mask[:end]),
                           tuple(self.logprobs), tuple(self.turns), tuple(self.step_rewards), self.stop, self.terminal_reward,
-                          self.seconds)
+                          self.seconds, self.cause, self.state)
 
 
 def render(chat: ChatFormat, scenario: Scenario, messages: list[dict], calls: list[tuple[ToolCall, ...]]) -> str:
@@ -244,11 +260,13 @@ def checked_prompt(chat: ChatFormat, scenario: Scenario, limits: RolloutLimits) 
 class AgentRollouts:
     """Collects trajectories. `sampler` needs `open(seeds)` and `generate_turn(turns,
     sampling)` (retrograd.sampler.Sampler); `pool` is None for a run without an environment
-    (no tools). `reuse_kv=False` forgets the KV cache before every turn (benchmarks only)."""
+    (no tools) or one whose environment is `http`. `reuse_kv=False` forgets the KV cache before
+    every turn (benchmarks only)."""
 
     def __init__(self, sampler, chat: ChatFormat, pool: SandboxPool | None, options: EnvironmentOptions | None,
-                 limits: RolloutLimits, *, concurrency: int, reuse_kv: bool = True):
+                 limits: RolloutLimits, *, concurrency: int, reuse_kv: bool = True, http: HttpEnvironment | None = None):
         self.sampler, self.chat, self.pool, self.options, self.limits = sampler, chat, pool, options, limits
+        self.http = http
         self.concurrency = concurrency if pool is None else min(concurrency, pool.options.max_live)
         self.reuse_kv = reuse_kv
         self._prompts: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -274,7 +292,7 @@ class AgentRollouts:
         lives = [_Live(r, self.prompt(r.scenario), self._prompts[r.scenario.source][0], r.scenario.messages()) for r in requests]
         with ThreadPoolExecutor(max_workers=len(requests), thread_name_prefix="retrograd-agent") as threads:
             with clock.phase("environment"):
-                _each(threads, self._open_sandbox, lives)
+                _each(threads, self._open, lives)
             opened: list[_Live] = []
             try:
                 conversations = self.sampler.open([r.seed for r in requests])
@@ -303,24 +321,46 @@ class AgentRollouts:
                     live.conversation.close()
                     live.seconds = time.monotonic() - live.started
                 with clock.phase("environment"):
-                    _each(threads, _release, [live.sandbox for live in lives])
+                    _each(threads, _release, [live.sandbox or live.episode for live in lives])
         return [live.finished() for live in lives]
 
-    def _open_sandbox(self, live: _Live) -> None:
-        """A prepared sandbox; a broken one costs this trajectory only (a failing setup,
-        like an unavailable daemon, stops the run: SandboxError)."""
+    def _open(self, live: _Live) -> None:
+        """A prepared sandbox or a reset episode; a broken one costs this trajectory only (a
+        failing setup, like an unavailable daemon, stops the run: SandboxError)."""
+        if self.http is not None:
+            self._reset(live)
+            return
         if self.pool is None:
             return
         sandbox = self.pool.acquire()
         try:
             if live.scenario.env is not None:
                 sandbox.prepare(live.scenario.env, self.options.setup_timeout_secs, live.scenario.source)
-        except SandboxBroken:
-            live.stop = "sandbox_broken"
+        except SandboxBroken as broken:
+            live.stop, live.cause = "sandbox_broken", str(broken)
         except BaseException:
             sandbox.close()
             raise
         live.sandbox = sandbox
+
+    def _reset(self, live: _Live) -> None:
+        """A new episode; its opening observation (a user message) makes this member's prompt."""
+        try:
+            live.episode = self.http.reset(live.scenario, live.request.seed)
+        except EnvironmentBroken as broken:
+            live.stop, live.cause = "environment_broken", str(broken)
+            return
+        if live.episode.observation is None:
+            return
+        live.messages.append({"role": "user", "content": live.episode.observation})
+        try:
+            live.rendered = render(self.chat, live.scenario, live.messages, [])
+        except TemplateBudgetError:
+            live.stop = "max_trajectory_tokens"
+            return
+        live.prompt = tuple(self.chat.tokenize(live.rendered, live.scenario.source)[0])
+        if len(live.prompt) + 1 > self.limits.max_trajectory_tokens:
+            live.stop = "max_trajectory_tokens"
 
     def _check_clock(self, running: list[_Live]) -> None:
         budget = self.limits.max_rollout_secs
@@ -381,7 +421,7 @@ class AgentRollouts:
             result = self._call(live, call)
             steps.append(ToolStep(call.name, call.arguments, result.content, result.is_error, result.reward))
             if result.broken:
-                live.stop = "sandbox_broken"
+                live.stop, live.cause = result.broken, result.content
                 break
             if result.reward is not None:
                 live.step_rewards.append((len(live.tokens), result.reward))
@@ -394,7 +434,7 @@ class AgentRollouts:
         toolset = live.scenario.toolset
         if toolset is None:
             return ToolResult(NO_TOOLS, is_error=True)
-        return toolset.call(live.sandbox, call.name, call.arguments)
+        return toolset.call(live.sandbox or live.episode, call.name, call.arguments)
 
     def _continue(self, live: _Live) -> None:
         """Ends the trajectory, or appends the template's text up to the next assistant header."""
@@ -452,13 +492,18 @@ class AgentRollouts:
         return probe.startswith(live.rendered + PLAIN_TURN)
 
     def _verify(self, live: _Live) -> None:
+        if live.episode is not None and live.stop not in FAILED and live.stop != "max_rollout_secs":
+            try:
+                live.state = live.episode.state()
+            except EnvironmentBroken as broken:
+                live.stop, live.cause = "environment_broken", str(broken)
         spec = live.scenario.env.verify if live.scenario.env is not None else None
         if spec is None or live.stop in FAILED or live.stop == "max_rollout_secs" or live.sandbox is None:
             return
         try:
             live.terminal_reward = live.sandbox.verify(spec, self.options.verify_timeout)
-        except SandboxBroken:
-            live.stop = "sandbox_broken"
+        except SandboxBroken as broken:
+            live.stop, live.cause = "sandbox_broken", str(broken)
 
 
 def parse_turn(content: str, first_id: int) -> tuple[list[ToolCall], str | None]:
@@ -479,9 +524,9 @@ def forget_kv_cache(sampler) -> None:
         slot.cached = []
 
 
-def _release(sandbox: Sandbox | None) -> None:
-    if sandbox is not None:
-        sandbox.close()
+def _release(world: Sandbox | HttpEpisode | None) -> None:
+    if world is not None:
+        world.close()
 
 
 def _each(threads: ThreadPoolExecutor, work: Callable, items: list) -> list:

@@ -57,15 +57,18 @@ class Scenario:
         return [*system, {"role": "user", "content": self.user}]
 
 
-def load_scenarios(path: Path, catalog: ToolCatalog | None, *, judged: bool, system_suffix: str = "") -> tuple[Scenario, ...]:
-    """Every scenario of `path`; `catalog` is None when the run has no [agent.environment]
-    and `judged` says whether an [agent.judge] can score scenarios without `verify`."""
+def load_scenarios(path: Path, catalog: ToolCatalog | None, *, judged: bool, system_suffix: str = "",
+                   sandboxed: bool = True) -> tuple[Scenario, ...]:
+    """Every scenario of `path`; `catalog` is None when the run has no tools, `judged` says
+    whether something scores scenarios without `verify` (an [agent.judge], or an http
+    environment's step rewards) and `sandboxed` whether the tools run in sandboxes, where the
+    tasks of metadata.env are set up (not mcp servers' or an http environment's)."""
     path = Path(path)
     text = read_text(path)
     scenarios: list[Scenario] = []
     first_seen: dict[str, str] = {}
     for where, record in json_lines(path, text):
-        scenario = _scenario(record, where, catalog, judged, system_suffix)
+        scenario = _scenario(record, where, catalog, judged, system_suffix, sandboxed)
         if scenario.id in first_seen:
             raise DataError(f"{where}: id {scenario.id!r} is already used at {first_seen[scenario.id]}; ids must be unique")
         first_seen[scenario.id] = where
@@ -75,7 +78,7 @@ def load_scenarios(path: Path, catalog: ToolCatalog | None, *, judged: bool, sys
     return tuple(scenarios)
 
 
-def _scenario(record: dict, where: str, catalog: ToolCatalog | None, judged: bool, suffix: str) -> Scenario:
+def _scenario(record: dict, where: str, catalog: ToolCatalog | None, judged: bool, suffix: str, sandboxed: bool) -> Scenario:
     unknown = [k for k in record if k not in KEYS]
     if unknown:
         raise DataError(f"{where}: unknown key {unknown[0]!r} (a scenario has {', '.join(KEYS)})")
@@ -93,8 +96,9 @@ def _scenario(record: dict, where: str, catalog: ToolCatalog | None, judged: boo
     rubric = _text(metadata, "rubric", f"{where} metadata", required=False)
     env = None
     if "env" in metadata:
-        if catalog is None:
-            raise DataError(f"{where}: metadata.env describes a sandbox task, but the config has no [agent.environment]")
+        if catalog is None or not sandboxed:
+            raise DataError(f"{where}: metadata.env describes a sandbox task, but the config has no [agent.environment] "
+                            "with sandboxes (type = container, sandbox or local)")
         env = ScenarioEnv.from_json(metadata["env"], f"{where} metadata.env")
     toolset = None
     if catalog is not None:

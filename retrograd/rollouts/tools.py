@@ -7,7 +7,7 @@ output cut at `max_output_bytes` on a UTF-8 boundary with a fixed marker. A
 tool is known as `id@version`; changing its name, description or schema means a
 new version. Arguments are checked against the tool's JSON Schema: a mismatch is
 an error observation, not a crash. A broken tool or sandbox is reported with
-`broken=True`: the engine drops that trajectory."""
+`broken` set to the trajectory's stop reason: the engine drops that trajectory."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class ToolResult:
     is_error: bool = False  # the action failed; the episode goes on
     reward: float | None = None  # step reward (json exec tools)
     done: bool = False  # the episode ends here (submit, json exec tools): run verify next
-    broken: bool = False  # the tool or the sandbox broke: drop the trajectory
+    broken: str | None = None  # the tool or its world broke: the trajectory's stop reason (agent.FAILED), it is dropped
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,10 @@ class Toolset:
     def specs(self) -> list[dict]:
         return [tool.spec() for tool in self.tools]
 
-    def call(self, sandbox: Sandbox, name: str, arguments: dict | str) -> ToolResult:
-        """Runs one tool call. `arguments` is the parsed object or its JSON text. Whatever the
-        model wrote, the answer is a ToolResult: a bad call is an error observation."""
+    def call(self, sandbox: Sandbox | object | None, name: str, arguments: dict | str) -> ToolResult:
+        """Runs one tool call on what the tools act on: the trajectory's sandbox, its http episode
+        (rollouts.http_env), or None (mcp tools only). `arguments` is the parsed object or its JSON
+        text. Whatever the model wrote, the answer is a ToolResult: a bad call is an error observation."""
         tool = next((tool for tool in self.tools if tool.name == name), None)
         if tool is None:
             return _refused(f"unknown tool {name!r}; available: {', '.join(sorted(t.name for t in self.tools))}")
@@ -122,11 +123,13 @@ class Toolset:
         try:
             result = tool.run(sandbox, arguments)
         except SandboxBroken as broken:
-            return ToolResult(f"sandbox broken: {broken}", is_error=True, broken=True)
+            return ToolResult(f"sandbox broken: {broken}", is_error=True, broken="sandbox_broken")
         except OSError as error:
             if error.errno != errno.E2BIG:
                 raise
             return _refused(f"the arguments of {name} are too long for a command line")
+        if not isinstance(sandbox, Sandbox):  # a server's tool (http, mcp): it cut its own result
+            return result
         # An error text may quote the model's arguments (a path, say): it is cut like output.
         return dataclasses.replace(result, content=clip(result.content, sandbox.limits.max_output_bytes))
 
@@ -187,7 +190,7 @@ def render_json(result: ExecResult, limit: int, timeout: float) -> ToolResult:
         reply = None
     problem = _json_reply_problem(reply, result.truncated)
     if problem is not None:
-        return ToolResult(clip(f"tool broke the json protocol: {problem}", limit), is_error=True, broken=True)
+        return ToolResult(clip(f"tool broke the json protocol: {problem}", limit), is_error=True, broken="sandbox_broken")
     return ToolResult(clip(reply["content"], limit), is_error=reply.get("is_error", False),
                       reward=float(reply["reward"]) if "reward" in reply else None, done=reply.get("done", False))
 
@@ -203,13 +206,13 @@ def _json_reply_problem(reply, truncated: bool) -> str | None:
         (isinstance(reply.get("content"), str), "'content' must be a string"),
         (isinstance(reply.get("is_error", False), bool), "'is_error' must be true or false"),
         (isinstance(reply.get("done", False), bool), "'done' must be true or false"),
-        ("reward" not in reply or _is_reward(reply["reward"]),
+        ("reward" not in reply or is_reward(reply["reward"]),
          f"'reward' must be a number within ±{MAX_TOOL_REWARD:g}"),
     ]
     return next((problem for ok, problem in checks if not ok), None)
 
 
-def _is_reward(value) -> bool:
+def is_reward(value) -> bool:
     """Within ±MAX_TOOL_REWARD: a larger one would swamp or overflow the group's advantages."""
     return _is_finite(value) and abs(value) <= MAX_TOOL_REWARD
 
@@ -480,6 +483,22 @@ class ToolCatalog:
         self.toolsets = toolsets
         self.default = default
         self.scenario_toolsets = scenario_toolsets
+
+    @classmethod
+    def of(cls, name: str, tools: tuple[Tool, ...]) -> ToolCatalog:
+        """One toolset of servers' tools (an http environment's, mcp servers'): every scenario's."""
+        return cls({tool.key: tool for tool in tools}, {name: Toolset(name, tools)}, name)
+
+    def with_tools(self, extra: tuple[Tool, ...], where: str) -> ToolCatalog:
+        """Every toolset with `extra` (mcp servers' tools) added; a name used twice is refused."""
+        toolsets = {}
+        for name, toolset in self.toolsets.items():
+            names = [tool.name for tool in (*toolset.tools, *extra)]
+            clashes = sorted({n for n in names if names.count(n) > 1})
+            if clashes:
+                raise ConfigError(f"{where}: tool {clashes[0]!r} is also in toolset {name!r}; deny one of them")
+            toolsets[name] = Toolset(name, toolset.tools + extra)
+        return ToolCatalog(self.tools | {tool.key: tool for tool in extra}, toolsets, self.default, self.scenario_toolsets)
 
     @classmethod
     def builtin(cls, default: str = "python") -> ToolCatalog:

@@ -173,7 +173,7 @@ class EnvironmentOptions:
         limits = _build(Limits, table.get("limits", {}), f"{WHERE}.limits", problems)
         pool = _build(PoolOptions, table.get("pool", {}), f"{WHERE}.pool", problems)
         rest = {key: value for key, value in table.items() if key not in ("limits", "pool", "tools")}
-        kwargs = {"type": None} | _checked_kwargs(cls, rest, WHERE, problems)
+        kwargs = {"type": None} | checked_kwargs(cls, rest, WHERE, problems)
         try:
             options = cls(**kwargs, limits=limits, pool=pool)
         except ConfigError as error:
@@ -259,7 +259,7 @@ _KINDS = {  # field annotation -> (accepts, description)
 }
 
 
-def _checked_kwargs(cls, table: dict, where: str, problems: list[str]) -> dict:
+def checked_kwargs(cls, table: dict, where: str, problems: list[str]) -> dict:
     kinds = {f.name: f.type for f in fields(cls) if f.type in _KINDS}
     kwargs = {}
     for key, value in table.items():
@@ -279,7 +279,7 @@ def _build(cls, table, where: str, problems: list[str]):
     if not isinstance(table, dict):
         problems.append(f"{where} = {table!r}: expected a table")
         return cls()
-    return cls(**_checked_kwargs(cls, table, where, problems))
+    return cls(**checked_kwargs(cls, table, where, problems))
 
 
 # --- a scenario's metadata.env ------------------------------------------------------------------

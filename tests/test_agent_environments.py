@@ -1,0 +1,453 @@
+"""Environments that are servers: an http environment (the Rust retrograd's routes) and MCP
+servers as tools, each against a reference server written here (on loopback / over stdio),
+also one that hangs, answers garbage or dies mid-episode: that trajectory ends with its
+cause and the run goes on. Client level, the engine with a scripted policy, and a real
+agentic GRPO update on the bundled SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from test_agent import ScriptedPolicy, call
+from test_agent_grpo import LENGTH_JUDGE, RETROGRAD
+
+from retrograd.config import load_config
+from retrograd.errors import ConfigError
+from retrograd.model.tokenizer import Tokenizer
+from retrograd.recipes import agent_grpo
+from retrograd.recipes.agent_grpo import open_task, train
+from retrograd.recipes.common import prepare
+from retrograd.rollouts.http_env import EnvironmentBroken, HttpEnvironment, HttpEnvironmentOptions, HttpEpisode
+from retrograd.rollouts.mcp_tools import McpServers, server_options
+from retrograd.rollouts.scenarios import Scenario
+from retrograd.rollouts.tools import ToolCatalog
+from retrograd.training.report import SilentReporter
+
+# ---------------------------------------------------------------- the reference http environment
+
+GUESS = {"type": "function", "function": {
+    "name": "guess", "description": "Guess the secret number, an integer from 1 to 3.",
+    "parameters": {"type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]}}}
+SECRET = 2
+WRONG = -0.25
+# guesses that make the server misbehave instead of answering
+HANG, GARBAGE, DIE, GONE = 0, -1, 99, 404
+
+
+class GuessServer:
+    """Guess the secret (2): a wrong guess earns -0.25 and a hint, the right one 1.0 and ends
+    the episode. It logs every route it serves and every reward it gives."""
+
+    def __init__(self):
+        self.episodes: dict[str, dict] = {}
+        self.resets: list[dict] = []
+        self.closed: list[str] = []
+        self.rewards: list[float] = []
+        self.opening: str | None = "Game {seed}: guess the number."  # None: no opening observation
+        self.dead = False
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                server.serve(self, "GET", None)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.serve(self, "POST", body)
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads, self.http.block_on_close = True, False
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.thread = threading.Thread(target=self.http.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self):
+        if not self.dead:
+            self.http.shutdown()
+        self.http.server_close()
+
+    def serve(self, handler, method: str, body):
+        if self.dead:  # a process that died answers nothing
+            return self._hang_up(handler)
+        route = handler.path
+        if method == "GET" and route == "/tools":
+            return _reply(handler, 200, {"tools": [GUESS]})
+        if method == "POST" and route == "/reset":
+            env_id = f"e{len(self.resets)}"
+            self.resets.append(body)
+            self.episodes[env_id] = {"guesses": [], "solved": False}
+            opening = None if self.opening is None else self.opening.format(seed=body["seed"])
+            return _reply(handler, 200, {"env_id": env_id, "observation": opening})
+        if method == "POST" and route == "/step":
+            return self._step(handler, body["env_id"], body["call"])
+        if method == "GET" and route.startswith("/state/"):
+            state = self.episodes.get(route.removeprefix("/state/"))
+            return _reply(handler, 200, state) if state is not None else _reply(handler, 404, {})
+        if method == "POST" and route == "/close":
+            self.closed.append(body["env_id"])
+            return _reply(handler, 200, {})
+        return _reply(handler, 400, {"error": "no such route"})
+
+    def _step(self, handler, env_id: str, action: dict):
+        number = action["arguments"]["number"]
+        if number == HANG:
+            time.sleep(5)
+            return None
+        if number == GARBAGE:
+            handler.send_response(200)
+            handler.end_headers()
+            return handler.wfile.write(b"<html>not json")
+        if number == DIE:
+            self.dead = True  # stop listening (from another thread: serve_forever waits for it), then hang up
+            stop = threading.Thread(target=lambda: (self.http.shutdown(), self.http.server_close()))
+            stop.start()
+            stop.join()
+            return self._hang_up(handler)
+        if number == GONE or env_id not in self.episodes:
+            return _reply(handler, 404, {"error": "unknown env_id"})
+        episode = self.episodes[env_id]
+        episode["guesses"].append(number)
+        right = number == SECRET
+        episode["solved"] |= right
+        reward = 1.0 if right else WRONG
+        self.rewards.append(reward)
+        hint = "right" if right else "higher" if number < SECRET else "lower"
+        return _reply(handler, 200, {"result": hint, "reward": reward, "done": right})
+
+    @staticmethod
+    def _hang_up(handler):
+        handler.close_connection = True
+        handler.connection.close()
+
+
+def _reply(handler, status: int, body: dict):
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+@pytest.fixture
+def guess_server():
+    server = GuessServer()
+    yield server
+    server.close()
+
+
+def scenario() -> Scenario:
+    return Scenario("g", None, "Play.", None, None, None, "scenarios.jsonl:1")
+
+
+def test_an_http_episode_runs_over_the_routes(guess_server):
+    env = HttpEnvironment(HttpEnvironmentOptions.from_table({"type": "http", "base_url": guess_server.url + "/"}))
+    try:
+        assert ToolCatalog.of("http", env.tools).toolsets["http"].specs() == [GUESS]  # rendered like our own tools
+        episode = env.reset(scenario(), 7)
+        assert guess_server.resets == [{"scenario": {"id": "g", "system": None, "user": "Play.", "rubric": None}, "seed": 7}]
+        assert episode.observation == "Game 7: guess the number."
+        low = episode.step("guess", {"number": 1})
+        assert (low.content, low.reward, low.done, low.broken) == ("higher", WRONG, False, None)
+        right = episode.step("guess", {"number": 2})
+        assert (right.content, right.reward, right.done) == ("right", 1.0, True)
+        assert json.loads(episode.state()) == {"guesses": [1, 2], "solved": True}
+        episode.close()
+        assert guess_server.closed == ["e0"]
+        assert HttpEpisode(env, "unknown", None).state() is None  # 404 on /state: no state, not an error
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("guess, cause", [
+    (HANG, "POST /step: no reply within 0.5 s"),
+    (GARBAGE, "POST /step: the reply is not a JSON object"),
+    (DIE, "POST /step: RemoteProtocolError"),
+    (GONE, "POST /step: HTTP 404: the server does not know this episode"),
+])
+def test_a_broken_http_episode_ends_with_its_cause(guess_server, guess, cause):
+    env = HttpEnvironment(HttpEnvironmentOptions.from_table(
+        {"type": "http", "base_url": guess_server.url, "request_timeout_secs": 0.5}))
+    try:
+        episode = env.reset(scenario(), 1)
+        t0 = time.monotonic()
+        result = episode.step("guess", {"number": guess})
+        assert time.monotonic() - t0 < 3
+        assert result.broken == "environment_broken" and result.is_error and result.content.startswith(cause), result
+        episode.close()  # never raises, whatever the server did
+        if guess == DIE:
+            with pytest.raises(EnvironmentBroken, match="POST /reset: ConnectError"):
+                env.reset(scenario(), 2)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("table, needle", [
+    ({}, "[agent.environment].base_url is required with type = 'http'"),
+    ({"base_url": "127.0.0.1:80"}, "[agent.environment].base_url = '127.0.0.1:80': expected an http:// or https:// URL"),
+    ({"base_url": "http://x", "request_timeout_secs": 0}, "[agent.environment].request_timeout_secs = 0.0: expected a number > 0"),
+    ({"base_url": "http://x", "timeout": 3}, "[agent.environment].timeout: unknown key"),
+    ({"base_url": "http://x", "api_key_env": "RETROGRAD_TEST_UNSET_KEY"},
+     "[agent.environment].api_key_env = 'RETROGRAD_TEST_UNSET_KEY': the variable is not set"),
+    ({"base_url": "http://x", "headers": {"X-A": 1}}, "[agent.environment].headers = {'X-A': 1}: expected a table of strings"),
+])
+def test_http_options_are_refused_on_one_line(table, needle):
+    with pytest.raises(ConfigError) as error:
+        HttpEnvironmentOptions.from_table({"type": "http"} | table)
+    assert needle in str(error.value) and "\n" not in str(error.value)
+
+
+# ---------------------------------------------------------------- the reference mcp server
+
+MCP_SERVER = '''\
+import os, sys, time
+from mcp.server.mcpserver import MCPServer
+
+with open(sys.argv[1], "a") as log:
+    log.write("started\\n")
+app = MCPServer("lab")
+
+@app.tool()
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return str(a + b)
+
+@app.tool()
+def oops() -> str:
+    """Fails as a tool."""
+    raise ValueError("no")
+
+@app.tool()
+def hang() -> str:
+    """Never answers."""
+    time.sleep(3600)
+    return ""
+
+@app.tool()
+def crash() -> str:
+    """Ends the server."""
+    os._exit(3)
+
+app.run()
+'''
+
+
+@pytest.fixture
+def mcp_script(tmp_path) -> Path:
+    path = tmp_path / "lab_server.py"
+    path.write_text(MCP_SERVER)
+    return path
+
+
+def lab(tmp_path, script, **keys) -> dict:
+    return {"name": "lab", "command": [sys.executable, str(script), str(tmp_path / "starts.log")]} | keys
+
+
+def test_mcp_server_tools_are_listed_filtered_called_and_a_dead_server_restarts(tmp_path, mcp_script):
+    options = server_options([lab(tmp_path, mcp_script, denied_tools=["o*"], tool_timeout_secs=1)], None, tmp_path)
+    servers = McpServers(options)
+    try:
+        assert [tool.name for tool in servers.tools] == ["add", "hang", "crash"]  # deny wins over the default "*"
+        tools = {tool.name: tool for tool in servers.tools}
+        spec = tools["add"].spec()["function"]
+        assert spec["description"] == "Add two integers." and set(spec["parameters"]["properties"]) == {"a", "b"}
+        toolset = ToolCatalog.of("mcp", servers.tools).toolsets["mcp"]
+        assert toolset.call(None, "add", {"a": 2, "b": 3}).content == "5"
+        assert toolset.call(None, "add", {"a": "x"}).is_error  # checked against the server's schema, not sent
+        t0 = time.monotonic()
+        hung = toolset.call(None, "hang", {})
+        assert hung.broken == "tool_broken" and hung.content.startswith("mcp server 'lab', tool 'hang': ")
+        assert time.monotonic() - t0 < 5
+        assert toolset.call(None, "add", {"a": 1, "b": 1}).content == "2"  # the server still answers
+        crashed = toolset.call(None, "crash", {})
+        assert crashed.broken == "tool_broken" and crashed.content == "mcp server 'lab', tool 'crash': Connection closed"
+        assert toolset.call(None, "add", {"a": 4, "b": 4}).content == "8"  # started again
+        assert (tmp_path / "starts.log").read_text() == "started\nstarted\n"
+    finally:
+        servers.close()
+
+
+def test_an_mcp_tool_error_is_an_observation(tmp_path, mcp_script):
+    servers = McpServers(server_options([lab(tmp_path, mcp_script, allowed_tools=["oops"])], None, tmp_path))
+    try:
+        (oops,) = servers.tools
+        result = ToolCatalog.of("mcp", servers.tools).toolsets["mcp"].call(None, "oops", {})
+        assert oops.name == "oops" and result.is_error and result.broken is None and "oops" in result.content
+    finally:
+        servers.close()
+
+
+def test_mcp_json_files_are_read_with_their_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("RETROGRAD_TEST_TOKEN", "t0k")
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {
+        "files": {"command": "npx", "args": ["-y", "server-files", "${RETROGRAD_TEST_TOKEN}"], "env": {"T": "${RETROGRAD_TEST_TOKEN}"}}}}))
+    (files,) = server_options((), "mcp.json", tmp_path)
+    assert files.name == "files" and files.command == ("npx", "-y", "server-files", "t0k") and files.env == (("T", "t0k"),)
+    assert files.tool_timeout_secs == 30 and files.max_tool_result_bytes == 65536
+
+
+@pytest.mark.parametrize("servers, config, needle", [
+    ([{"name": "a"}], None, "agent.mcp_servers[0].command is required"),
+    ([{"name": "a", "command": ["x"], "url": "http://x"}], None, "agent.mcp_servers[0].url: only stdio servers"),
+    ([{"name": "a", "command": ["x"]}, {"name": "a", "command": ["y"]}], None, "two servers are named 'a'"),
+    ([{"name": "a", "command": ["x"], "tool_timeout_secs": 0}], None, "agent.mcp_servers[0].tool_timeout_secs = 0.0: expected"),
+    ([{"name": "a", "command": ["x"], "allow": ["*"]}], None, "agent.mcp_servers[0].allow: unknown key"),
+    ((), "missing.json", "agent.mcp_config"),
+    ((), "vars.json", "${RETROGRAD_TEST_UNSET_VAR} is not set"),
+    ((), 3, "agent.mcp_config = 3: expected the path of an mcp.json file or a list of them"),
+])
+def test_mcp_options_are_refused_on_one_line(tmp_path, servers, config, needle):
+    (tmp_path / "vars.json").write_text(json.dumps({"mcpServers": {"v": {"command": "${RETROGRAD_TEST_UNSET_VAR}"}}}))
+    with pytest.raises(ConfigError) as error:
+        server_options(servers, config, tmp_path)
+    assert needle in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_mcp_server_that_cannot_start_stops_the_run_before_the_model_loads(tmp_path):
+    cfg = write_config(tmp_path, environment="", mcp=f'[[agent.mcp_servers]]\nname = "gone"\ncommand = ["{sys.executable}", "-c", "pass"]',
+                       judge=True)
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], check=False, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: agent.mcp_servers 'gone'") and "cannot be started" in lines[0]
+
+
+# ---------------------------------------------------------------- whole runs
+
+AGENT = {"group_size": 3, "epochs_per_update": 1, "max_turns": 3, "max_new_tokens_per_turn": 48}
+SMALL = {"group_size": 2, "max_turns": 2, "max_new_tokens_per_turn": 32, "temperature": 0.5,
+         "system": "You only answer with a tool call."}
+
+
+def write_config(tmp: Path, *, environment: str, mcp: str = "", judge: bool = False, model: Path | None = None,
+                 system: str = "Use the tools.", user: str = "Play.", **agent) -> Path:
+    (tmp / "scenarios.jsonl").write_text(json.dumps({"id": "game", "system": system, "user": user}) + "\n")
+    (tmp / "judge.py").write_text(LENGTH_JUDGE)
+    judge_table = f'[agent.judge]\ncommand = ["{sys.executable}", "{tmp / "judge.py"}"]' if judge else ""
+    cfg = tmp / "agent.toml"
+    cfg.write_text(f"""
+[run]
+algorithm = "agent_grpo"
+{f'[model]{chr(10)}path = "{model}"' if model else ""}
+[output]
+path = "out/adapter.gguf"
+[lora]
+rank = 4
+alpha = 8.0
+dtype = "f32"
+[training]
+ctx = 768
+micro_batch = 4096
+lr = 1e-3
+threads = 2
+[agent]
+scenarios = "scenarios.jsonl"
+{chr(10).join(f"{k} = {json.dumps(v)}" for k, v in (AGENT | agent).items())}
+{mcp}
+{judge_table}
+{environment}
+""")
+    return cfg
+
+
+def scripted_run(cfg: Path, scripts: list[list[str]]):
+    config = load_config(cfg)
+    task = open_task(config)
+    try:
+        setup = prepare(config, SilentReporter(), task.chat)
+        result = train(config, setup, ScriptedPolicy(task.chat.tokenizer, scripts), task, SilentReporter())
+    finally:
+        task.close()
+    records = [json.loads(line) for line in (cfg.parent / "out/adapter.rollouts.jsonl").read_text().splitlines()]
+    (metrics,) = [json.loads(line) for line in (cfg.parent / "out/adapter.metrics.jsonl").read_text().splitlines()]
+    return result, records, metrics, task
+
+
+def test_a_scripted_update_through_the_http_environment(tmp_path, tiny_model, guess_server):
+    """Per-step rewards summed, `done` ends the episode, the opening observation is each
+    member's own prompt, a reply of garbage costs one trajectory, every episode is closed."""
+    cfg = write_config(tmp_path, model=tiny_model("llama"), environment=f'[agent.environment]\ntype = "http"\nbase_url = "{guess_server.url}"')
+    result, records, m, task = scripted_run(cfg, [[call("guess", number=2)],
+                                                  [call("guess", number=3), call("guess", number=2)],
+                                                  [call("guess", number=GARBAGE), "never said"]])
+    assert result.updates_done == 1 and result.steps == 1 and result.output.is_file()
+    assert [r["stop"] for r in records] == ["submitted", "submitted", "environment_broken"]
+    assert [r["step_rewards"] for r in records] == [[1.0], [WRONG, 1.0], []]
+    assert [r["reward"] for r in records[:2]] == [1.0, 1.0 + WRONG] and sorted(guess_server.rewards) == [WRONG, 1.0, 1.0]
+    assert records[2]["cause"] == "POST /step: the reply is not a JSON object" and records[2]["skip_reason"] == "failed"
+    assert [r["trained"] for r in records] == [True, True, False]
+    assert json.loads(records[1]["state"]) == {"guesses": [3, 2], "solved": True}
+    assert sorted(guess_server.closed) == ["e0", "e1", "e2"]
+    seeds = [reset["seed"] for reset in guess_server.resets]
+    prompts = [task.chat.tokenizer.decode(r["turns"][0]["prompt_ids"]) for r in records]
+    assert all("Guess the secret number, an integer from 1 to 3." in p for p in prompts)  # the server's tool schema
+    assert sorted(p.split("Game ")[1].split(":")[0] for p in prompts) == sorted(str(s) for s in seeds)  # each its own
+    assert m["agent/stop/environment_broken"] == pytest.approx(1 / 3) and m["agent/failed_tool"] == pytest.approx(1 / 3)
+
+
+def test_a_scripted_update_with_mcp_tools(tmp_path, tiny_model, mcp_script):
+    """An mcp server's tools in the prompt, its answers as observations, a server that exits
+    mid-episode costs that trajectory (judged run: no environment)."""
+    mcp = (f'[[agent.mcp_servers]]\nname = "lab"\ncommand = ["{sys.executable}", "{mcp_script}", "{tmp_path / "starts.log"}"]\n'
+           'denied_tools = ["hang"]')
+    cfg = write_config(tmp_path, model=tiny_model("llama"), environment="", mcp=mcp, judge=True)
+    result, records, m, task = scripted_run(cfg, [[call("add", a=2, b=3), "done"], [call("add", a=1, b=1), call("crash")],
+                                                  [call("oops"), "a longer final answer"]])
+    assert result.updates_done == 1 and result.steps == 1 and result.output.is_file()
+    assert [r["stop"] for r in records] == ["no_tool_call", "tool_broken", "no_tool_call"]
+    observations = [[c["observation"] for t in r["turns"] for c in t["calls"]] for r in records]
+    assert observations[0] == ["5"] and observations[1][0] == "2" and "oops" in observations[2][0]
+    assert records[1]["cause"] == "mcp server 'lab', tool 'crash': Connection closed"
+    assert records[2]["turns"][0]["calls"][0]["is_error"] and [r["trained"] for r in records] == [True, False, True]
+    prompt = task.chat.tokenizer.decode(records[0]["turns"][0]["prompt_ids"])
+    assert "Add two integers." in prompt and "Ends the server." in prompt and "Never answers." not in prompt
+    assert (tmp_path / "starts.log").read_text() == "started\n"  # once per run, shared by the trajectories
+    assert m["agent/stop/tool_broken"] == pytest.approx(1 / 3)
+
+
+ECHO = '<tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>\nRepeat exactly the text above.'  # SmolLM2 does
+
+
+def test_one_update_on_smollm2_against_the_http_environment(tmp_path, guess_server, smollm2):
+    guess_server.opening = None
+    cfg = write_config(tmp_path, environment=f'[agent.environment]\ntype = "http"\nbase_url = "{guess_server.url}"',
+                       user=ECHO.replace("NAME", "guess").replace("ARGS", '{"number": 2}'), **SMALL)
+    result = agent_grpo.run(load_config(cfg), SilentReporter())
+    assert result.updates_done == 1 and result.output.is_file()
+    records = [json.loads(line) for line in (tmp_path / "out/adapter.rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and len(guess_server.resets) == 2 and sorted(guess_server.closed) == ["e0", "e1"]
+    # Whatever the model wrote (SmolLM2 seldom writes a well-formed call: the scripted tests
+    # above pin the steps), the server's rewards are the records' and nothing else scored them.
+    assert sorted(r for rec in records for r in rec["step_rewards"]) == sorted(guess_server.rewards)
+    for rec in records:
+        assert rec["reward"] == pytest.approx(sum(rec["step_rewards"])) and rec["terminal_reward"] == 0.0
+        assert rec["stop"] in ("no_tool_call", "submitted", "max_turns") and rec["cause"] is None and rec["state"]
+    prompt = Tokenizer(smollm2).decode(records[0]["turns"][0]["prompt_ids"])
+    assert json.dumps(GUESS) in prompt  # the server's schema, rendered as our own tools are
+
+
+def test_one_update_on_smollm2_with_an_mcp_server(tmp_path, mcp_script, smollm2):
+    mcp = f'[[agent.mcp_servers]]\nname = "lab"\ncommand = ["{sys.executable}", "{mcp_script}", "{tmp_path / "starts.log"}"]'
+    cfg = write_config(tmp_path, environment="", mcp=mcp, judge=True,
+                       user=ECHO.replace("NAME", "add").replace("ARGS", '{"a": 2, "b": 3}'), **SMALL)
+    result = agent_grpo.run(load_config(cfg), SilentReporter())
+    assert result.updates_done == 1 and result.output.is_file()
+    records = [json.loads(line) for line in (tmp_path / "out/adapter.rollouts.jsonl").read_text().splitlines()]
+    calls = [c for rec in records for turn in rec["turns"] for c in turn["calls"]]
+    assert all(c["observation"] == "5" for c in calls if c["name"] == "add" and c["arguments"] == {"a": 2, "b": 3})
+    assert all(rec["stop"] != "tool_broken" and rec["terminal_reward"] is not None for rec in records)  # judged
+    prompt = Tokenizer(smollm2).decode(records[0]["turns"][0]["prompt_ids"])
+    assert "Add two integers." in prompt and '"name": "crash"' in prompt
+    assert (tmp_path / "starts.log").read_text() == "started\n"
+    assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+                if str(mcp_script) in line]  # the server ended with the run
