@@ -171,6 +171,7 @@ def reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.
     return (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
 
 
+@pytest.mark.slow
 def test_on_policy_distillation_lowers_the_held_out_reverse_kl(tmp_path, smollm2):
     """The reverse KL that on-policy distillation minimises, KL(student || teacher) over the
     full vocabulary, falls on held-out prompts. Teacher: SmolLM2 cut to 9 blocks; student: the
