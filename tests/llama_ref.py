@@ -13,10 +13,11 @@ F32 = 0  # GGML_TYPE_F32, for type_k / type_v
 YARN_FROM_MODEL = dict(yarn_attn_factor=-1.0, yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)
 
 
-def llama_logits(path, ids: list[int], *, lora_path=None, kv_f32: bool = True) -> torch.Tensor:
-    """llama.cpp's logits [len(ids), n_vocab] for one sequence evaluated in one batch."""
+def llama_logits(path, ids: list[int], *, lora_path=None, kv_f32: bool = True, flash_attn: bool = False) -> torch.Tensor:
+    """llama.cpp's logits [len(ids), n_vocab] for one sequence evaluated in one batch (an f16
+    KV cache read by flash attention is how the sampler and serve run)."""
     n = len(ids)
-    kv = dict(type_k=F32, type_v=F32) if kv_f32 else {}
+    kv = (dict(type_k=F32, type_v=F32) if kv_f32 else {}) | dict(flash_attn=flash_attn)
     llm = llama_cpp.Llama(
         model_path=str(path), n_ctx=max(n, 64), n_batch=n, n_ubatch=n, logits_all=True,
         verbose=False, n_threads=2, lora_path=str(lora_path) if lora_path else None, **kv, **YARN_FROM_MODEL,

@@ -51,6 +51,7 @@ class Feed:
     tokens: list[int]
     want_logits: bool  # logits of the last token
     pad: bool = False  # filler: its logits are computed (want_logits) but not copied out
+    every_logits: bool = False  # logits of every token ([k, V]; scoring a prompt)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ class Placement:
 
 
 class Engine:
-    def __init__(self, path: Path, *, n_ctx: int, n_seq_max: int, n_batch: int, kv_dtype: str, n_threads: int):
+    def __init__(self, path: Path, *, n_ctx: int, n_seq_max: int, n_batch: int, kv_dtype: str, n_threads: int,
+                 n_outputs: int = 0):
         self.path = Path(path)
         self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
         self.model = C.llama_model_load_from_file(str(self.path).encode(), C.llama_model_default_params())
@@ -84,7 +86,8 @@ class Engine:
         self.vocab = C.llama_model_get_vocab(self.model)
         self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
         self.eog_ids = frozenset(t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t))
-        self.ctx = C.llama_init_from_model(self.model, _context_params(n_ctx, n_seq_max, n_batch, kv_dtype, n_threads))
+        params = _context_params(n_ctx, n_seq_max, n_batch, kv_dtype, n_threads, n_outputs)
+        self.ctx = C.llama_init_from_model(self.model, params)
         if not self.ctx:
             C.llama_model_free(self.model)
             raise GGUFError(
@@ -101,7 +104,8 @@ class Engine:
 
     def decode(self, feeds: list[Feed]) -> list[np.ndarray | None]:
         """One llama_decode over all feeds -> per feed, a copy of its last token's logits [V]
-        (None without want_logits, or for a pad)."""
+        (None without want_logits, or for a pad), or with every_logits those of all its
+        tokens [k, V]."""
         assert self.ctx, "the sampler is closed"
         n = 0
         rows_at = []
@@ -114,6 +118,10 @@ class Engine:
             for i in range(n, n + k):
                 self.batch.seq_id[i][0] = f.seq_id
             n += k
+            if f.every_logits:
+                self._logits[n - k : n] = 1
+                rows_at.append(range(n - k, n))
+                continue
             if f.want_logits:
                 self._logits[n - 1] = 1
             rows_at.append(n - 1 if f.want_logits and not f.pad else None)
@@ -122,7 +130,8 @@ class Engine:
         rc = C.llama_decode(self.ctx, self.batch)
         if rc != 0:
             raise GGUFError(f"{self.path}: llama_decode failed with status {rc} on a batch of {n} tokens")
-        return [None if i is None else self._row(i) for i in rows_at]
+        return [None if i is None else np.stack([self._row(j) for j in i]) if isinstance(i, range) else self._row(i)
+                for i in rows_at]
 
     def _row(self, i: int) -> np.ndarray:
         return np.ctypeslib.as_array(C.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).copy()
@@ -169,14 +178,14 @@ class Engine:
             self.ctx = self.model = None
 
 
-def _context_params(n_ctx: int, n_seq_max: int, n_batch: int, kv_dtype: str, n_threads: int):
+def _context_params(n_ctx: int, n_seq_max: int, n_batch: int, kv_dtype: str, n_threads: int, n_outputs: int):
     p = C.llama_context_default_params()
     p.n_ctx = n_ctx * n_seq_max  # split KV: llama.cpp gives each sequence n_ctx / n_seq_max
     p.n_seq_max = n_seq_max
     p.kv_unified = False
     p.n_batch = n_batch
     p.n_ubatch = min(n_batch, 512)
-    p.n_outputs_max = n_seq_max  # at most one logits row per sequence and decode
+    p.n_outputs_max = max(n_seq_max, n_outputs)  # one logits row per sequence and decode, or n_outputs when scoring
     p.n_threads = p.n_threads_batch = n_threads
     kv_type, p.flash_attn_type = KV_MODES[kv_dtype]
     p.type_k = p.type_v = kv_type

@@ -54,6 +54,8 @@ from retrograd.sampler.sampling import Sampling, sample_token
 BASE = "base"  # the model name of the base without any adapter
 DEFAULT_CTX = 4096  # positions per model name, capped at the model's trained context
 TURN_PROBE = "retrograd-end-of-turn-probe"
+MAX_TOP_LOGPROBS = 20  # alternatives per position a request may ask for (OpenAI's bound)
+SCORE_CHUNK = 64  # prompt tokens per decode when each one's logits are wanted (echo): 64 rows of [V] floats
 
 
 class ContextFull(DataError):
@@ -64,18 +66,42 @@ class ContextFull(DataError):
 class Settings:
     """How one reply is generated."""
 
-    max_tokens: int | None = None  # None: until the context is full
+    max_tokens: int | None = None  # None: until the context is full; 0 (with echo): score the prompt only
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int | None = None  # None: fresh entropy
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
     grammar: str | None = None  # GBNF the reply must follow (retrograd.sampler.grammar); it ends when complete
+    logprobs: int | None = None  # each reply token's log-prob and its `logprobs` most likely alternatives
+    echo: bool = False  # with logprobs: the prompt tokens' log-probs too
 
     def __post_init__(self):
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise DataError(f"max_tokens {self.max_tokens} must be at least 1")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise DataError(f"max_tokens {self.max_tokens} must be at least 1 (0 only to score an echoed prompt)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise DataError(f"logprobs {self.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.temperature < 0:
             raise DataError(f"temperature {self.temperature} must be >= 0 (0: greedy)")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (at the request's temperature; 1 when
+    greedy) and the `top` most likely tokens of that position with theirs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, temperature: float, top: int) -> TokenLogprob:
+    """From one position's logits [V]: log_softmax(logits / T) of `token`, and the `top` best."""
+    scaled = logits.astype(np.float64) / (temperature if temperature > 0 else 1.0)
+    finite = scaled[np.isfinite(scaled)]
+    logz = finite.max() + np.log(np.exp(finite - finite.max()).sum())
+    best = np.argpartition(-scaled, top)[:top] if 0 < top < len(scaled) else np.arange(len(scaled))[:top]
+    best = best[np.argsort(-scaled[best], kind="stable")]
+    return TokenLogprob(token, float(scaled[token] - logz), tuple((int(t), float(scaled[t] - logz)) for t in best))
 
 
 @dataclass
@@ -122,6 +148,7 @@ class Inference:
             n_batch=PREFILL_CHUNK,
             kv_dtype="f16",
             n_threads=n_threads or len(os.sched_getaffinity(0)),
+            n_outputs=SCORE_CHUNK,
         )
         try:
             self._adapters = {BASE: None} | {name: self.engine.load_adapter(Path(p)) for name, p in adapters.items()}
@@ -189,7 +216,7 @@ class Inference:
         if not prompt:
             raise DataError("the prompt is empty")
         room = self.n_ctx - len(prompt)
-        if room < 1:
+        if room < (0 if settings.max_tokens == 0 else 1):
             raise ContextFull(f"the prompt is {len(prompt)} tokens; the context holds {self.n_ctx}")
         budget = room if settings.max_tokens is None else min(settings.max_tokens, room)
         grammar = None
@@ -197,25 +224,32 @@ class Inference:
             grammar = Grammar(self.engine.vocab, self.engine.n_vocab, settings.grammar)
         return Generation(self, name, list(prompt), settings, budget, grammar)
 
-    def _prefill(self, name: str, prompt: list[int]) -> tuple[np.ndarray, int]:
+    def _prefill(self, name: str, prompt: list[int], score: Settings | None = None) -> tuple[np.ndarray, int, list]:
         """Logits after the last prompt token, decoding only what `name`'s cache lacks, and
-        how many prompt tokens the cache had."""
+        how many prompt tokens the cache had; with `score` (echo) the whole prompt is decoded
+        and the log-prob of each prompt token after the first comes back too."""
         if self._applied != name:
             self.engine.set_adapter(self._adapters[name])
             self._applied = name
         slot = self._slots[name]
-        keep = slot.reusable(prompt)
+        keep = 0 if score else slot.reusable(prompt)
         if not self.engine.keep(slot.seq_id, keep):
             keep = 0
         slot.tokens, slot.aligned = prompt[:keep], keep
-        row = None
-        for start in range(keep, len(prompt), PREFILL_CHUNK):
-            piece = prompt[start : start + PREFILL_CHUNK]
-            feed = Feed(slot.seq_id, start, piece, want_logits=start + len(piece) == len(prompt))
-            row = self.engine.decode([feed])[0]
+        row, scored = None, []
+        chunk = SCORE_CHUNK if score else PREFILL_CHUNK
+        for start in range(keep, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            last = start + len(piece) == len(prompt)
+            rows = self.engine.decode([Feed(slot.seq_id, start, piece, want_logits=last, every_logits=bool(score))])[0]
+            if score:
+                following = prompt[start + 1 : start + len(piece) + 1]  # the token each row predicts
+                scored += [token_logprob(r, t, score.temperature, score.logprobs) for r, t in zip(rows, following)]
+                rows = rows[-1]
+            row = rows
             slot.tokens += piece
-            slot.aligned = len(slot.tokens)
-        return row, keep
+            slot.aligned = 0 if score else len(slot.tokens)  # scored in other pieces: not reused (see Reuse above)
+        return row, keep, scored
 
     def _step(self, name: str, token: int) -> np.ndarray:
         slot = self._slots[name]
@@ -270,9 +304,18 @@ class Generation:
         self.finish_reason: str | None = None
         self.text = ""
         self.cancelled = threading.Event()
+        self.prompt_logprobs: list[TokenLogprob | None] = []  # with echo: None for the first prompt token
+        self.token_logprobs: list[TokenLogprob] = []  # with logprobs: one per reply token
 
     def __iter__(self) -> Iterator[str]:
         inf, s = self.inference, self.settings
+        scoring = s if s.echo and s.logprobs is not None else None
+        row, self.reused, scored = inf._prefill(self.name, self.prompt, scoring)
+        if scoring:
+            self.prompt_logprobs = [None, *scored]
+        if self.budget == 0:  # echo with max_tokens 0: the prompt's log-probs were the point
+            self.finish_reason = "length"
+            return
         sampling = Sampling(self.budget, s.temperature, s.top_p) if s.temperature > 0 else None
         rng = np.random.default_rng(s.seed)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -280,11 +323,10 @@ class Generation:
 
         def pick(logits: np.ndarray) -> int:
             return int(np.argmax(logits)) if sampling is None else sample_token(logits, sampling, rng)[0]
-
-        row, self.reused = inf._prefill(self.name, self.prompt)
         while True:
             if self.cancelled.is_set():
                 return
+            model_row = row.copy() if s.logprobs is not None else row  # picking may mask or scale the row
             if self.grammar is None:
                 token = pick(row)
             else:  # the grammar allows an end-of-generation token only once it is complete
@@ -297,6 +339,8 @@ class Generation:
             if token in inf.stop_ids:
                 self.finish_reason = "stop"
                 break
+            if s.logprobs is not None:  # the model's own distribution, before any grammar mask
+                self.token_logprobs.append(token_logprob(model_row, token, s.temperature, s.logprobs))
             self.completion_tokens += 1
             text, stopped = stops.feed(decoder.decode(inf.piece(token)))
             if text:

@@ -9,8 +9,13 @@ event loop always answers) that stops at the next token once the client goes awa
 front, http_guard's Guard: 401 without the API key when there is one, 413 for a body over
 `max_request_bytes`. Every refusal has OpenAI's error shape, `{"error": {"message", "type",
 "param", "code"}}`, with a 4xx status for a bad request; unknown request fields and
-parameters we do not implement (n > 1, logprobs, penalties, ...) are refused rather than
-ignored. A 500 says only that something failed; the details go to stderr.
+parameters we do not implement (n > 1, penalties, ...) are refused rather than ignored. A 500
+says only that something failed; the details go to stderr.
+
+`logprobs` (and `echo`, on /v1/completions; `top_logprobs` on chat) give each reply token's
+log-probability under the model at the request's temperature (1 when greedy; before any
+grammar mask), and with echo each prompt token's after the first: `echo` with
+`max_tokens: 0` scores a prompt alone, as lm-evaluation-harness asks.
 
 `response_format` (JSON object or JSON schema) and `tools` / `tool_choice` are enforced while
 sampling, with a grammar (retrograd/serving/structured.py); a schema the grammar cannot
@@ -40,7 +45,7 @@ from retrograd.data.tools import CALL_CLOSE, CALL_OPEN
 from retrograd.errors import DataError
 from retrograd.runtime.http_guard import Guard
 from retrograd.sampler.grammar import GrammarError, SchemaError
-from retrograd.serving.inference import Generation, Inference, Settings
+from retrograd.serving.inference import MAX_TOP_LOGPROBS, Generation, Inference, Settings
 from retrograd.serving.structured import (
     JSON_OBJECT,
     NO_ARGUMENTS,
@@ -221,8 +226,15 @@ class _Request(BaseModel):
     def calls(self) -> Calls | None:
         return None
 
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per position when the reply carries log-probs, else None."""
+        return None
+
     def settings(self, max_tokens: int | None) -> Settings:
         """How the reply is sampled; a 400 when its response_format or tools cannot be enforced."""
+        logprobs = self.top_logprobs_wanted()
+        if logprobs is not None and self.stream:
+            raise APIError(400, "logprobs: not available with stream = true yet; ask for the whole reply", param="logprobs")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             grammar = reply_grammar(self.response_format and self.response_format.schema_for_reply(), self.calls())
@@ -235,6 +247,8 @@ class _Request(BaseModel):
             seed=self.seed,
             stop=stop,
             grammar=grammar,
+            logprobs=logprobs,
+            echo=getattr(self, "echo", False),
         )
 
 
@@ -242,7 +256,8 @@ class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -264,17 +279,27 @@ class ChatRequest(_Request):
             return Calls({name: functions[name]}, forced=True, parallel=False)  # one call of it, as OpenAI's
         return Calls(functions, forced=choice == "required", parsed=choice != "none", parallel=self.parallel_tool_calls)
 
+    def top_logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
 
 class CompletionRequest(_Request):
     prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
-    logprobs: None = None
-    echo: Literal[False] = False
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # OpenAI's default for completions; 0: score an echoed prompt
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise APIError(400, "max_tokens: 0 only scores a prompt: with echo = true and logprobs", param="max_tokens")
+        return self.logprobs
 
 
 # ---- responses
@@ -346,11 +371,19 @@ class ChatReply(_Reply):
         content, tool_calls = split_reply(g.text, self.calls)
         message = {"role": "assistant", "content": content} | ({"tool_calls": tool_calls} if tool_calls else {})
         finish = "tool_calls" if tool_calls and g.finish_reason != "length" else g.finish_reason
+        logprobs = None
+        if g.settings.logprobs is not None:
+            logprobs = {"content": [self._entry(lp.token, lp.logprob) | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                                    for lp in g.token_logprobs]}
         return self._envelope(
             "chat.completion",
-            [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             usage=self.usage(),
         )
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        piece = self.generation.inference.piece(token)
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
 
 
 class TextReply(_Reply):
@@ -373,9 +406,34 @@ class TextReply(_Reply):
         return self._envelope("text_completion", [], usage=self.usage())
 
     def whole(self) -> dict:
-        return self._envelope(
-            "text_completion", self._choice(self.generation.text, self.generation.finish_reason), usage=self.usage()
-        )
+        g = self.generation
+        text, choice = g.text, self._choice(g.text, g.finish_reason)
+        if g.settings.echo:
+            text = self._detokenized(g.prompt) + g.text
+            choice[0]["text"] = text
+        if g.settings.logprobs is not None:
+            choice[0]["logprobs"] = self._logprobs(g)
+        return self._envelope("text_completion", choice, usage=self.usage())
+
+    def _detokenized(self, tokens) -> str:
+        return b"".join(self.generation.inference.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def _logprobs(self, g: Generation) -> dict:
+        """OpenAI's legacy shape, over the echoed prompt's tokens (the first has no log-prob)
+        and the reply's; text_offset counts characters from the start of the prompt."""
+        echoed = list(zip(g.prompt, g.prompt_logprobs)) if g.settings.echo else []
+        entries = echoed + [(lp.token, lp) for lp in g.token_logprobs]
+        pieces = [self._detokenized([t]) for t, _ in entries]
+        offsets, at = [], 0 if g.settings.echo else len(self._detokenized(g.prompt))
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {
+            "tokens": pieces,
+            "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
+            "top_logprobs": [None if lp is None else {self._detokenized([t]): v for t, v in lp.top} for _, lp in entries],
+            "text_offset": offsets,
+        }
 
 
 # ---- the app
