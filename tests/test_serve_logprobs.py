@@ -111,3 +111,16 @@ def test_logprob_requests_beyond_the_bounds_are_400s(client, path, body, param):
     response = client.post(path, json={"model": "base"} | body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_the_tokenizer_routes_are_the_models_tokenizer(client, tiny):
+    from retrograd.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny[0])
+    text = "Hello, world: ¿qué tal?"
+    tokens = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert tokens == tokenizer.encode(text, add_bos=False)
+    assert client.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == text
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.piece(tokenizer.eos_id).decode()
+    assert client.post("/detokenize", json={"tokens": [10**9]}).status_code == 400

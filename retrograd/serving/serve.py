@@ -288,8 +288,24 @@ class ChatRequest(_Request):
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
 
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str
+    add_special_tokens: bool = True  # the model's BOS, where it adds one
+    model: str | None = None  # every model name shares the base's vocabulary
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tokens: list[int]
+    model: str | None = None
+
+
 class CompletionRequest(_Request):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
+    prompt: (str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)])  # one prompt
     max_tokens: Annotated[int, Field(ge=0)] | None = 16  # OpenAI's default for completions; 0: score an echoed prompt
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
@@ -486,8 +502,8 @@ def create_app(inference: Inference, *, api_key: str | None, max_request_bytes: 
         except DataError as e:
             raise APIError(400, str(e), param="messages") from None
 
-    def text_prompt(prompt: str | list[int] | list[str]) -> list[int]:
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
+    def text_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):  # a batch of one
             prompt = prompt[0]
         if isinstance(prompt, str):
             return inference.text_prompt(prompt)
@@ -501,6 +517,29 @@ def create_app(inference: Inference, *, api_key: str | None, max_request_bytes: 
             {"id": name, "object": "model", "created": started, "owned_by": "retrograd"} for name in inference.names
         ]
         return {"object": "list", "data": data}
+
+    # the model's tokenizer, as vLLM's server offers it (lm-evaluation-harness's tokenizer_backend=remote)
+    tokenizer = inference.chat.tokenizer
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        def text(token: int | None) -> str | None:
+            return None if token is None else tokenizer.piece(token).decode("utf-8", errors="replace")
+
+        return {"eos_token": text(tokenizer.eos_id), "bos_token": text(tokenizer.bos_id), "pad_token": None,
+                "vocab_size": tokenizer.n_vocab}
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
+        tokens = await anyio.to_thread.run_sync(lambda: tokenizer.encode(request.prompt, add_bos=request.add_special_tokens
+                                                                         and tokenizer.add_bos))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": inference.n_ctx}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
+        if any(not 0 <= t < tokenizer.n_vocab for t in request.tokens):
+            raise APIError(400, f"tokens: ids must be in [0, {tokenizer.n_vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(request.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest, http_request: Request):
