@@ -7,6 +7,7 @@ from retrograd.cli import (
     bench as _bench,  # noqa: F401  (registers bench)
     chat as _chat,  # noqa: F401  (registers chat)
     distill as _distill,  # noqa: F401  (registers distill-teacher)
+    eval as _eval,  # noqa: F401  (registers eval)
     merge as _merge,  # noqa: F401  (registers merge)
     model as _model,  # noqa: F401  (registers inspect, preflight)
     profile as _profile,  # noqa: F401  (registers profile)

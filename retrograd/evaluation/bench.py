@@ -477,14 +477,14 @@ def _load(
         reporter.message(f"no adapter at {cfg.output.adapter_path}: measuring the base model alone")
         adapter = Adapter({}, 0, 0.0)
     else:
-        adapter = _attach_adapter(model, adapter_file, adapter_path)
+        adapter = attach_adapter_file(model, adapter_file, adapter_path)
         reporter.message(
             f"adapter {adapter_path}: {len(adapter.layers)} weights, rank {adapter.rank}, alpha {adapter.alpha:g}"
         )
     return Setup(cfg, device, model, adapter, chat, precision)
 
 
-def _attach_adapter(model: BaseModel, loaded: AdapterFile, path: Path) -> Adapter:
+def attach_adapter_file(model: BaseModel, loaded: AdapterFile, path: Path) -> Adapter:
     """A LoRA shaped as the file says (targets, rank, alpha), holding its weights."""
     base_shapes = {name: tuple(lin.weight.shape) for name, (_, _, lin) in frozen_linears(model.transformer).items()}  # expert stacks 3-D
     check_fits(loaded, path, model.path.name, model.spec.arch, base_shapes)

@@ -1,0 +1,97 @@
+"""`retrograd eval`: the base and each adapter on local tasks (retrograd.evaluation.tasks),
+paired, with a bootstrap interval and a verdict per difference."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from retrograd.cli.app import app
+from retrograd.cli.options import DeviceOpt, ModelOpt, WeightsOpt
+from retrograd.errors import DataError
+
+
+@app.command("eval", epilog="Example: retrograd eval --adapter out/run.gguf --tasks examples/eval/ --out eval.json")
+def eval_command(
+    tasks: Annotated[Path, typer.Option("--tasks", help="A JSONL task file, or a folder of them (one task per file).")],
+    adapter: Annotated[Optional[list[Path]], typer.Option("--adapter", help="A LoRA GGUF to compare with the base (repeat for more).")] = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    weights: WeightsOpt = "auto",
+    micro_batch: Annotated[int, typer.Option("--micro-batch", min=16, help="Tokens per forward pass.")] = 2048,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write the results (per task, model and item) as JSON.")] = None,
+) -> None:
+    """Score the base and each adapter on the same items: multiple-choice accuracy (summed and
+    length-normalised log-prob) and perplexity, each adapter's difference with a 95% paired
+    bootstrap interval and a verdict (better / worse / no detectable change)."""
+    from retrograd.evaluation.tasks import evaluate, load_tasks, n_rollouts
+    from retrograd.gguf.adapter import read_adapter
+    from retrograd.model.base import load_model
+    from retrograd.recipes.common import compute_dtype
+    from retrograd.runtime.bundled import default_model_path
+    from retrograd.runtime.device import resolve_device
+
+    loaded = load_tasks(tasks)
+    adapters = {}
+    for path in adapter or []:
+        if not path.is_file():
+            raise DataError(f"--adapter {path}: no such file")
+        if path.stem in adapters or path.stem == "base":
+            raise DataError(f"--adapter {path}: another model is already named {path.stem!r}")
+        adapters[path.stem] = path
+    base_path = model or default_model_path()
+    dev = resolve_device(device)
+    precision = compute_dtype("auto", dev)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 200
+    console.print(f"eval: {len(loaded)} task(s) from {tasks}, models: base{''.join(', ' + n for n in adapters)}", markup=False)
+
+    def load(path: Path | None):
+        from retrograd.evaluation.bench import attach_adapter_file
+
+        base = load_model(base_path, weights=weights, compute_dtype=precision, device=dev)
+        if path is not None:
+            attach_adapter_file(base, read_adapter(path), path)
+        return base, dev
+
+    total = sum(n_rollouts(t) for t in loaded) * (1 + len(adapters))
+    with Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("answers"), TimeRemainingColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as progress:
+        bar = progress.add_task("eval", total=total)
+        results = evaluate(load, adapters, loaded, micro_batch, lambda n: progress.advance(bar, n))
+    console.print(results_table(results, list(adapters)))
+    if out is not None:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps({r.task.name: r.to_json() for r in results}, indent=1))
+        os.replace(tmp, out)
+        console.print(f"results: {out}", markup=False)
+
+
+def results_table(results, adapters: list[str]) -> Table:
+    t = Table(box=box.ROUNDED)
+    for name in ("task", "metric", "base", *adapters):
+        t.add_column(name, justify="left" if name in ("task", "metric") else "right")
+    for result in results:
+        for k, metric in enumerate(result.scores["base"].metrics):
+            cells = [result.task.name if k == 0 else "", metric]
+            cells += [f"{result.scores[name].metrics[metric]:.4f}" for name in ("base", *adapters)]
+            t.add_row(*cells)
+        if adapters:
+            unit = "correct" if result.task.kind == "multiple_choice" else "log-prob/token"
+            cells = ["", f"Δ per item ({unit}), 95% CI", ""]
+            for name in adapters:
+                d = result.differences[name]
+                colour = {"better": "green", "worse": "red"}.get(d.verdict, "default")
+                cells.append(f"[{colour}]{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}] {d.verdict}[/]")
+            t.add_row(*cells)
+        t.add_section()
+    return t
