@@ -154,6 +154,7 @@ class PreferenceSection:
 @section
 class EvaluationSection:
     data: Path = key()
+    tasks: tuple[Path, ...] | None = key(None)  # `retrograd eval` task files or folders, run on the final adapter
     every_iterations: int = key(1, ge=1)
     max_examples: int | None = key(None, ge=1)
     patience: int | None = key(None, ge=1)
@@ -761,8 +762,8 @@ def _check_value(value, annotation, meta, where, base: Path, problems: list[str]
         value = (base / Path(value).expanduser()).resolve()
     elif origin in (list, tuple):
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value) or not value:
-            return bad("a non-empty list of strings")
-        value = tuple(value)
+            return bad("a non-empty list of " + ("paths" if args[0] is Path else "strings"))
+        value = tuple((base / Path(x).expanduser()).resolve() for x in value) if args[0] is Path else tuple(value)
     elif annotation is dict:
         if not isinstance(value, dict):
             return bad("a table")

@@ -107,3 +107,37 @@ def test_the_command_compares_base_and_adapters(tmp_path, tiny_model):
     r = subprocess.run([*RETROGRAD, "eval", "--model", str(base), "--tasks", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip() == f"error: {bad}:1: expected a multiple-choice record " \
         '{"question", "choices", "answer"} or a text record {"text"}', r.stderr
+
+
+def test_evaluation_tasks_run_after_training_and_a_bad_one_stops_it_first(tmp_path, tiny_model):
+    examples = __import__("pathlib").Path(__file__).parents[1] / "examples"
+    (tmp_path / "train.jsonl").write_text("".join((examples / "data/arithmetic_train.jsonl").read_text().splitlines(True)[:8]))
+    write(tmp_path / "mc.jsonl", MC)
+    cfg = tmp_path / "sft.toml"
+    cfg.write_text(f"""
+[run]
+algorithm = "sft"
+[model]
+path = "{tiny_model("llama")}"
+[output]
+path = "out/run.gguf"
+[training]
+ctx = 96
+micro_batch = 256
+epochs = 1
+threads = 2
+[sft]
+data = "train.jsonl"
+[evaluation]
+data = "train.jsonl"
+tasks = ["mc.jsonl"]
+""")
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "evaluation tasks: mc, base and adapter" in r.stdout and "95% CI" in r.stdout
+    results = json.loads((tmp_path / "out/run.eval.json").read_text())
+    assert set(results["mc"]["metrics"]) == {"base", "adapter"}
+
+    write(tmp_path / "mc.jsonl", [MC[0], {"question": "q", "choices": ["a", "b"], "answer": 7}])
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and f"{tmp_path / 'mc.jsonl'}:2:" in r.stderr and "Traceback" not in r.stderr

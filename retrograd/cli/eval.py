@@ -32,10 +32,7 @@ def eval_command(
     """Score the base and each adapter on the same items: multiple-choice accuracy (summed and
     length-normalised log-prob) and perplexity, each adapter's difference with a 95% paired
     bootstrap interval and a verdict (better / worse / no detectable change)."""
-    from retrograd.evaluation.tasks import evaluate, load_tasks, n_rollouts
-    from retrograd.gguf.adapter import read_adapter
-    from retrograd.model.base import load_model
-    from retrograd.recipes.common import compute_dtype
+    from retrograd.evaluation.tasks import load_tasks, loader
     from retrograd.runtime.bundled import default_model_path
     from retrograd.runtime.device import resolve_device
 
@@ -47,33 +44,34 @@ def eval_command(
         if path.stem in adapters or path.stem == "base":
             raise DataError(f"--adapter {path}: another model is already named {path.stem!r}")
         adapters[path.stem] = path
-    base_path = model or default_model_path()
-    dev = resolve_device(device)
-    precision = compute_dtype("auto", dev)
     console = Console(highlight=False)
     if not console.is_terminal:
         console.width = 200
     console.print(f"eval: {len(loaded)} task(s) from {tasks}, models: base{''.join(', ' + n for n in adapters)}", markup=False)
+    load = loader(model or default_model_path(), weights=weights, device=resolve_device(device))
+    results = run_with_bar(console, load, adapters, loaded, micro_batch)
+    console.print(results_table(results, list(adapters)))
+    if out is not None:
+        write_results(results, out)
+        console.print(f"results: {out}", markup=False)
 
-    def load(path: Path | None):
-        from retrograd.evaluation.bench import attach_adapter_file
 
-        base = load_model(base_path, weights=weights, compute_dtype=precision, device=dev)
-        if path is not None:
-            attach_adapter_file(base, read_adapter(path), path)
-        return base, dev
+def run_with_bar(console: Console, load, adapters: dict[str, Path], tasks, micro_batch: int):
+    """evaluation.tasks.evaluate under a progress bar of scored answers."""
+    from retrograd.evaluation.tasks import evaluate, n_rollouts
 
-    total = sum(n_rollouts(t) for t in loaded) * (1 + len(adapters))
+    total = sum(n_rollouts(t) for t in tasks) * (1 + len(adapters))
     with Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("answers"), TimeRemainingColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         bar = progress.add_task("eval", total=total)
-        results = evaluate(load, adapters, loaded, micro_batch, lambda n: progress.advance(bar, n))
-    console.print(results_table(results, list(adapters)))
-    if out is not None:
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps({r.task.name: r.to_json() for r in results}, indent=1))
-        os.replace(tmp, out)
-        console.print(f"results: {out}", markup=False)
+        return evaluate(load, adapters, tasks, micro_batch, lambda n: progress.advance(bar, n))
+
+
+def write_results(results, out: Path) -> None:
+    """The results as JSON, written whole or not at all."""
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({r.task.name: r.to_json() for r in results}, indent=1))
+    os.replace(tmp, out)
 
 
 def results_table(results, adapters: list[str]) -> Table:

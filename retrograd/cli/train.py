@@ -39,6 +39,7 @@ def train(
 
     resume_arg = resume_choice(resume, resume_from, ctx.args)
     cfg = load_config(config).with_overrides(model=model, device=device)
+    tasks = evaluation_tasks(cfg)  # checked now, not after the run
     if not launched_as_rank_zero():  # under torchrun rank 0 reports for every rank
         RECIPES[cfg.run.algorithm](cfg, SilentReporter(), resume=resume_arg)
         return
@@ -52,9 +53,37 @@ def train(
         reporter.message(warning)
     result = RECIPES[cfg.run.algorithm](cfg, reporter, resume=resume_arg)
     reporter.message(result.summary())
+    if tasks:
+        evaluate_final_adapter(cfg, tasks, reporter)
     written = reporter.refresh_report()
     if written:
         reporter.message(f"report: {written}")
+
+
+def evaluation_tasks(cfg) -> tuple:
+    """[evaluation] tasks, loaded (a malformed record stops the run before it starts)."""
+    from retrograd.evaluation.tasks import load_tasks
+
+    ev = cfg.evaluation
+    return tuple(task for path in (ev.tasks if ev and ev.tasks else ()) for task in load_tasks(path))
+
+
+def evaluate_final_adapter(cfg, tasks: tuple, reporter) -> None:
+    """`retrograd eval` of the base and the run's adapter on [evaluation] tasks: the paired
+    table, and NAME.eval.json beside the output."""
+    from retrograd.cli.eval import results_table, run_with_bar, write_results
+    from retrograd.evaluation.tasks import loader
+    from retrograd.runtime.bundled import default_model_path
+    from retrograd.runtime.device import resolve_device
+    from retrograd.training.metrics import run_record
+
+    reporter.message(f"evaluation tasks: {', '.join(t.name for t in tasks)}, base and adapter")
+    load = loader(cfg.model.path or default_model_path(), weights=cfg.model.weights, device=resolve_device(cfg.model.device))
+    results = run_with_bar(reporter.console, load, {"adapter": cfg.output.adapter_path}, tasks, cfg.training.micro_batch)
+    reporter.console.print(results_table(results, ["adapter"]))
+    out = run_record(cfg, "eval.json")
+    write_results(results, out)
+    reporter.message(f"evaluation results: {out}")
 
 
 class ReportingConsole(ConsoleReporter):

@@ -216,6 +216,22 @@ class TaskResult:
         }
 
 
+def loader(base: Path, *, weights: str, device) -> Callable:
+    """`load(adapter_path | None)` -> (the base model with that adapter attached, device)."""
+    from retrograd.evaluation.bench import attach_adapter_file
+    from retrograd.gguf.adapter import read_adapter
+    from retrograd.model.base import load_model
+    from retrograd.recipes.common import compute_dtype
+
+    def load(path: Path | None):
+        model = load_model(base, weights=weights, compute_dtype=compute_dtype("auto", device), device=device)
+        if path is not None:
+            attach_adapter_file(model, read_adapter(path), path)
+        return model, device
+
+    return load
+
+
 def evaluate(load: Callable, adapters: dict[str, Path], tasks: tuple[Task, ...], micro_batch: int,
              progress: Callable[[int], None]) -> list[TaskResult]:
     """Each model in turn (`load(adapter_path | None)` -> (BaseModel, device), the base first)
