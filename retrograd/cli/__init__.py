@@ -6,6 +6,7 @@ from __future__ import annotations
 from retrograd.cli import (
     bench as _bench,  # noqa: F401  (registers bench)
     chat as _chat,  # noqa: F401  (registers chat)
+    collect as _collect,  # noqa: F401  (registers collect)
     distill as _distill,  # noqa: F401  (registers distill-teacher)
     eval as _eval,  # noqa: F401  (registers eval)
     merge as _merge,  # noqa: F401  (registers merge)

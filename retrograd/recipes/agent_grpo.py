@@ -254,16 +254,7 @@ class AgentRecipe:
         if self.task.pool is not None:
             self.task.pool.prewarm()  # the next update's sandboxes start while the optimizer runs
         groups = [trajectories[i:i + a.group_size] for i in range(0, len(trajectories), a.group_size)]
-        judged = dropped = 0
-        scored = []
-        for group in groups:
-            if not group[0].scenario.verifiable and self.task.judge is not None:
-                group, kept = self._judged(group, clock)
-                judged += 1
-                dropped += not kept
-            elif self.task.http is not None:  # the environment scored it, step by step
-                group = [t if t.failed else dataclasses.replace(t, terminal_reward=0.0) for t in group]
-            scored += _scored(group, a.truncation)
+        scored, judged, dropped = self.score(groups, clock)
         metrics = _rollout_metrics(trajectories) | {
             "judge/groups": float(judged), "judge/dropped_group_fraction": dropped / judged if judged else 0.0,
             "timing/rollout_seconds": rollout_seconds,
@@ -273,6 +264,22 @@ class AgentRecipe:
         if isinstance(self.task.judge, RulerJudge):
             metrics |= self.task.judge.metrics()
         return Batch(update, tuple(scored), cursor + a.scenarios_per_update, metrics)
+
+    def score(self, groups: list[list[Trajectory]], clock: PhaseClock) -> tuple[list[ScoredTrajectory], int, int]:
+        """Every member with the reward it ends with (the judge scores groups without verify,
+        an http environment's step rewards are its score); also how many groups the judge
+        scored and how many it left unscored (`retrograd collect` scores its groups this way)."""
+        judged = dropped = 0
+        scored = []
+        for group in groups:
+            if not group[0].scenario.verifiable and self.task.judge is not None:
+                group, kept = self._judged(group, clock)
+                judged += 1
+                dropped += not kept
+            elif self.task.http is not None:  # the environment scored it, step by step
+                group = [t if t.failed else dataclasses.replace(t, terminal_reward=0.0) for t in group]
+            scored += _scored(group, self.a.truncation)
+        return scored, judged, dropped
 
     def _requests(self, cursor: int) -> list[Request]:
         a = self.a

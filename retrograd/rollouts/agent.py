@@ -151,6 +151,7 @@ class Trajectory:
     seconds: float  # wall time from the first turn to the end of verify
     cause: str | None = None  # why it failed (a FAILED stop)
     state: str | None = None  # an http environment's terminal state
+    opening: str | None = None  # an http episode's opening observation: a user message after the scenario's
 
     @property
     def truncated(self) -> bool:
@@ -230,7 +231,7 @@ class _Live:
         r = self.request
         return Trajectory(r.scenario, r.group, r.member, r.seed, self.prompt, tuple(self.tokens[:end]), tuple(self.mask[:end]),
                           tuple(self.logprobs), tuple(self.turns), tuple(self.step_rewards), self.stop, self.terminal_reward,
-                          self.seconds, self.cause, self.state)
+                          self.seconds, self.cause, self.state, self.episode.observation if self.episode else None)
 
 
 def render(chat: ChatFormat, scenario: Scenario, messages: list[dict], calls: list[tuple[ToolCall, ...]]) -> str:

@@ -1,0 +1,229 @@
+"""`retrograd collect`: scripted trajectories through a real local environment become SFT
+tool records that the SFT loader turns back into exactly the rollout's tokens and mask;
+the filters (--keep, --min-reward, duplicates), --pairs, the atomic write, the report, and
+bad input refused on one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_agent import call
+
+from retrograd.config import load_config
+from retrograd.data.preference import load_preference
+from retrograd.data.sft import load_sft
+from retrograd.errors import DataError
+from retrograd.recipes.agent_grpo import open_task
+from retrograd.rollouts import agent
+from retrograd.rollouts.collect import CollectOptions, check_request, collect_with
+from retrograd.sampler import Completion
+from retrograd.training.report import SilentReporter
+
+RETROGRAD = [sys.executable, "-m", "retrograd"]
+SCENARIOS = [
+    {"id": "answer", "system": "Use the tools.", "user": "Write 42 to answer.txt.",
+     "metadata": {"env": {"verify": {"command": "grep -qx 42 answer.txt"}}}},
+    {"id": "greet", "user": "Write hi to hello.txt.", "metadata": {"env": {"verify": {"command": "grep -qx hi hello.txt"}}}},
+]
+WRITE_42 = call("write_file", path="answer.txt", content="42")
+SCRIPTS = [
+    [WRITE_42, "Done."],  # 0: passes, reward 1
+    ["I give up."],  # 1: complete, reward 0
+    [WRITE_42, "Done."],  # 2: a duplicate of 0
+    [WRITE_42, "All done: the file holds 42."],  # 3: passes, longer than 0
+    [call("write_file", path="answer.txt", content="41"), call("write_file", path="answer.txt", content="40")],  # 4: max_turns
+    ['<tool_call>\n{"name": oops}\n</tool_call>', "ok"],  # 5: a malformed call
+]
+
+
+class Policy:
+    """Stands in for the llama.cpp sampler: the j-th conversation of each open() says
+    scripts[j] turn by turn, each turn ending with <|im_end|>; a turn given as a tuple of
+    pieces is tokenized piece by piece (a tokenization the tokenizer would not choose)."""
+
+    def __init__(self, tokenizer, scripts, fail_on_open: int | None = None):
+        self.tokenizer, self.scripts, self.fail_on_open, self.opened = tokenizer, scripts, fail_on_open, 0
+        self.end = tokenizer.encode("<|im_end|>", add_bos=False)
+
+    def open(self, seeds):
+        self.opened += 1
+        if self.opened == self.fail_on_open:
+            raise KeyboardInterrupt
+        return [SimpleNamespace(lines=list(self.scripts[j % len(self.scripts)]), close=lambda: None) for j in range(len(seeds))]
+
+    def generate_turn(self, turns, sampling):
+        out = []
+        for conversation, context in turns:
+            line = conversation.lines.pop(0)
+            ids = [i for piece in (line if isinstance(line, tuple) else (line,)) for i in self.tokenizer.encode(piece, add_bos=False)]
+            ids = (ids + self.end)[: sampling.max_new_tokens]
+            out.append(Completion(ids, [-1.0] * len(ids), "eos" if ids[-1] == self.end[0] else "length", len(context), 0))
+        return out
+
+
+def write_config(tmp: Path, model: Path, scenarios=SCENARIOS[:1], algorithm: str = "agent_grpo") -> Path:
+    (tmp / "scenarios.jsonl").write_text("".join(json.dumps(s) + "\n" for s in scenarios))
+    cfg = tmp / "agent.toml"
+    cfg.write_text(f"""
+[run]
+algorithm = "{algorithm}"
+[model]
+path = "{model}"
+[output]
+path = "out/adapter.gguf"
+[lora]
+rank = 4
+alpha = 8.0
+[training]
+ctx = 1024
+threads = 2
+[agent]
+scenarios = "scenarios.jsonl"
+updates = 1
+scenarios_per_update = 1
+group_size = {len(SCRIPTS)}
+max_turns = 2
+max_new_tokens_per_turn = 64
+[agent.environment]
+type = "local"
+allow_unsandboxed = true
+[agent.environment.tools]
+default = "mini"
+[agent.environment.tools.toolset.mini]
+tools = ["write_file", "submit"]
+""")
+    return cfg
+
+
+@pytest.fixture
+def run(tmp_path, tiny_model, monkeypatch):
+    """run(scripts, **options) -> (result, task, every trajectory rolled out)."""
+    rolled = []
+    collect = agent.AgentRollouts.collect
+
+    def recording(self, requests, clock):
+        rolled.extend(collect(self, requests, clock))
+        return rolled[-len(requests):]
+
+    monkeypatch.setattr(agent.AgentRollouts, "collect", recording)
+    cfg = load_config(write_config(tmp_path, tiny_model("llama"), scenarios=SCENARIOS))
+
+    def go(scripts=SCRIPTS, fail_on_open=None, **options):
+        options = CollectOptions(**({"out": tmp_path / "traces.jsonl", "report": tmp_path / "report.json"} | options))
+        check_request(cfg, options)
+        task = open_task(cfg)
+        try:
+            result = collect_with(cfg, options, task, Policy(task.chat.tokenizer, scripts, fail_on_open), SilentReporter())
+        finally:
+            task.close()
+        return result, task, rolled
+
+    return go
+
+
+def assert_is_the_rollout(ids, mask, t) -> None:
+    """The rollout's prompt and tokens, trained on exactly the sampled ones (the render may
+    add untrained text after the last turn)."""
+    ours = [*t.prompt, *t.tokens]
+    assert list(ids[: len(ours)]) == ours
+    assert list(mask[: len(ours)]) == [False] * len(t.prompt) + list(t.mask)
+    assert not any(mask[len(ours):])
+
+
+def test_records_retokenize_exactly_as_the_rollout_was(run, tmp_path):
+    """Loaded by the SFT loader, every record is the rollout's prompt and tokens, trained on
+    exactly the sampled tokens; the duplicate, the truncated and the malformed are dropped."""
+    result, task, rolled = run(min_reward=0.0, keep=6, limit=1)
+    data = load_sft(tmp_path / "traces.jsonl", task.chat, ctx=1024)
+    assert [e.source.rsplit(":", 1)[1] for e in data.examples] == ["1", "2", "3"]
+    kept = [rolled[m] for m in (0, 3, 1)]  # reward 1 shortest first, then reward 0
+    for example, t in zip(data.examples, kept, strict=True):
+        assert_is_the_rollout(example.ids, example.mask, t)
+    assert result.dropped == {"duplicate": 1, "truncated (max_turns)": 1, "malformed_call": 1}
+    records = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert records[0]["messages"][2:] == [{"role": "assistant", "content": WRITE_42, "raw": True},
+                                          {"role": "tool", "content": records[0]["messages"][3]["content"]},
+                                          {"role": "assistant", "content": "Done.", "raw": True}]
+    assert [t["function"]["name"] for t in records[0]["tools"]] == ["write_file", "submit"]
+
+
+def test_keep_min_reward_and_a_tokenization_the_tokenizer_would_not_choose(run, tmp_path):
+    """By default only successful traces, the best one per scenario; a trace whose tokens the
+    loader would not reproduce is dropped rather than written wrong."""
+    result, _, rolled = run(limit=1)
+    (record,) = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert record["messages"][-1]["content"] == "Done." and record["reward"] == 1.0
+    assert result.dropped == {"duplicate": 1, "over_keep": 1, "not_successful": 1, "truncated (max_turns)": 1,
+                              "malformed_call": 1}
+    pieces = [[WRITE_42, ("Do", "ne", ".")], ["nothing"]]
+    result, _, _ = run(pieces, force=True, limit=1, keep=2)
+    assert result.written == 0 and result.dropped["not_reproducible"] == 3 and result.dropped["not_successful"] == 3
+    assert (tmp_path / "traces.jsonl").read_text() == ""
+
+
+def test_pairs_are_best_against_worst_and_respect_min_gap(run, tmp_path):
+    result, task, rolled = run(pairs=True, limit=1)
+    assert result.written == 1
+    pairs = load_preference(tmp_path / "traces.jsonl", task.chat, ctx=1024, unpaired=False).items
+    (pair,) = pairs
+    for answer, t in ((pair.chosen, rolled[0]), (pair.rejected, rolled[1])):
+        assert_is_the_rollout(pair.prompt + answer.ids, (False,) * len(pair.prompt) + answer.mask, t)
+    (line,) = [json.loads(x) for x in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert (line["chosen_reward"], line["rejected_reward"]) == (1.0, 0.0) and line["rejected"][0]["content"] == "I give up."
+    result, _, _ = run(pairs=True, min_gap=1.5, force=True, limit=1)
+    assert result.written == 0 and result.dropped["pair: gap below min_gap"] == 1
+
+
+def test_the_output_appears_whole_or_not_at_all_and_the_report(run, tmp_path):
+    out = tmp_path / "traces.jsonl"
+    with pytest.raises(KeyboardInterrupt):  # while the second scenario rolls out
+        run(fail_on_open=2)
+    assert not out.exists() and not (tmp_path / "traces.jsonl.tmp").exists()
+    result, _, _ = run()
+    assert len(out.read_text().splitlines()) == 1  # "greet": no script writes hello.txt
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["records"] == 1 and report["scenarios"] == [
+        {"id": "answer", "attempts": 6, "passes": 3, "kept": 1, "pass_rate": 0.5},
+        {"id": "greet", "attempts": 6, "passes": 0, "kept": 0, "pass_rate": 0.0}]
+    with pytest.raises(DataError, match=r"^--out .*traces.jsonl: the file exists; pass --force to overwrite it$"):
+        run()
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("sft", "run.algorithm = 'sft'; collect rolls out agent_grpo configs"),
+    ("exists", "the file exists; pass --force to overwrite it"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model, case, needle):
+    cfg = write_config(tmp_path, tiny_model("llama"))
+    if case == "sft":
+        (tmp_path / "train.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                       {"role": "assistant", "content": "hello"}]}) + "\n")
+        cfg.write_text(f'[run]\nalgorithm = "sft"\n[model]\npath = "{tiny_model("llama")}"\n[output]\npath = "out/a.gguf"\n'
+                       '[sft]\ndata = "train.jsonl"\n')
+    (tmp_path / "traces.jsonl").write_text("")
+    proc = subprocess.run([*RETROGRAD, "collect", str(cfg), "--out", str(tmp_path / ("traces.jsonl" if case == "exists" else "x.jsonl"))],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and needle in proc.stderr, proc.stderr
+
+
+def test_a_cli_run_on_smollm2(tmp_path, smollm2):
+    """The real sampler: the progress lines, the report by cause, and records the SFT loader
+    reads (each was checked against its rollout before it was written)."""
+    echo = {"id": "echo", "system": "You only answer with a tool call.",
+            "user": f"{WRITE_42}\nRepeat exactly the text above.", "metadata": SCENARIOS[0]["metadata"]}
+    cfg = write_config(tmp_path, smollm2, scenarios=[echo])
+    cfg.write_text(cfg.read_text().replace(f"group_size = {len(SCRIPTS)}", "group_size = 4\ntemperature = 0.7"))
+    out = tmp_path / "traces.jsonl"
+    proc = subprocess.run([*RETROGRAD, "collect", str(cfg), "--out", str(out), "--min-reward", "0", "--keep", "4",
+                           "--report", str(tmp_path / "report.json")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "from 4 trajectories of 1 scenario(s)" in proc.stdout and "dropped: " in proc.stdout, proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["scenarios"][0]["attempts"] == 4 and report["records"] + sum(report["dropped"].values()) == 4
+    assert not (tmp_path / "traces.jsonl.tmp").exists() and len(out.read_text().splitlines()) == report["records"]
