@@ -20,7 +20,7 @@ from retrograd.data.sft import load_sft
 from retrograd.errors import DataError
 from retrograd.recipes.agent_grpo import open_task
 from retrograd.rollouts import agent
-from retrograd.rollouts.collect import CollectOptions, check_request, collect_with
+from retrograd.recipes.collect import CollectOptions, check_request, collect_with
 from retrograd.sampler import Completion
 from retrograd.training.report import SilentReporter
 
