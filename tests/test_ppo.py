@@ -174,9 +174,12 @@ def test_a_run_trains_per_token_advantages_with_kl_toward_the_sampling_policy(tm
 
 
 def test_without_the_critic_every_token_carries_the_whitened_reward(tmp_path, tiny_model):
-    cfg = write_config(tmp_path, tiny_model("llama"), updates=1, critic="enabled = false")
+    cfg = write_config(tmp_path, tiny_model("llama"), updates=1, critic="enabled = false",
+                       extra='[evaluation]\ndata = "prompts.jsonl"\nmax_examples = 3')
     result = ppo.run(load_config(cfg), SilentReporter())
     assert not any(k.startswith("critic/") for k in result.records[0].metrics)
+    held_out = [r for r in lines(tmp_path / "out/adapter.metrics.jsonl") if "eval/mean_reward" in r]
+    assert len(held_out) == 1 and held_out[0]["eval/reward_min"] <= held_out[0]["eval/mean_reward"]
     records = lines(tmp_path / "out/adapter.rollouts.jsonl")
     rewards = torch.tensor([r["reward"] for r in records], dtype=torch.float64)
     expected = ((rewards - rewards.mean()) / rewards.std(unbiased=False)).tolist() if rewards.std() > 0 else [0.0] * 4

@@ -332,9 +332,13 @@ class GRPORollouts:
 
     def evaluate(self, update: int):
         """Mean reward of one completion per held-out prompt (fixed seeds)."""
-        g = self.g
-        requests = [GroupRequest(p.ids, [completion_seed(g.sampling.seed + 1, i, 0)], self.sampling) for i, p in enumerate(self.eval_prompts)]
-        completions = [group[0] for group in self.sampler.generate(requests)]
-        rewards = self.reward.score([p.text for p in self.eval_prompts], [self._text(c.tokens) for c in completions],
-                                    [p.reference for p in self.eval_prompts])
-        return reward_evaluation(update, g.updates, rewards)
+        rewards = held_out_rewards(self.sampler, self.reward, self.eval_prompts, self.sampling, self.g.sampling.seed, self._text)
+        return reward_evaluation(update, self.g.updates, rewards)
+
+
+def held_out_rewards(sampler: Sampler, reward, prompts, sampling: Sampling, seed: int, text) -> list[float]:
+    """The reward of one completion per prompt, each seeded by its index (seed + 1: apart from
+    training's draws), the prompt's reference answer given to the reward (grpo, ppo)."""
+    requests = [GroupRequest(p.ids, [completion_seed(seed + 1, i, 0)], sampling) for i, p in enumerate(prompts)]
+    completions = [group[0] for group in sampler.generate(requests)]
+    return reward.score([p.text for p in prompts], [text(c.tokens) for c in completions], [p.reference for p in prompts])

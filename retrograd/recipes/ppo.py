@@ -37,6 +37,7 @@ from retrograd.recipes.common import (
     run_prompts,
     signature,
 )
+from retrograd.recipes.grpo import held_out_rewards
 from retrograd.rollouts.rewards import make_reward
 from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
@@ -227,11 +228,6 @@ class PPORollouts:
                 "lr": m.get("optimizer/learning_rate"), "tok/s": m["train/tokens_per_second"]}
 
     def evaluate(self, update: int):
-        """Mean reward of one completion per held-out prompt (fixed seeds)."""
-        p = self.p
-        requests = [GroupRequest(q.ids, [completion_seed(p.sampling.seed + 1, i, 0)], self.sampling)
-                    for i, q in enumerate(self.eval_prompts)]
-        completions = [group[0] for group in self.sampler.generate(requests)]
-        rewards = self.reward.score([q.text for q in self.eval_prompts], [self._text(c.tokens) for c in completions],
-                                    [q.reference for q in self.eval_prompts])
-        return reward_evaluation(update, p.updates, rewards)
+        """Mean reward of one completion per held-out prompt (fixed seeds), as GRPO measures it."""
+        rewards = held_out_rewards(self.sampler, self.reward, self.eval_prompts, self.sampling, self.p.sampling.seed, self._text)
+        return reward_evaluation(update, self.p.updates, rewards)
