@@ -18,9 +18,9 @@ from retrograd.config import load_config
 from retrograd.data.preference import load_preference
 from retrograd.data.sft import load_sft
 from retrograd.errors import DataError
+from retrograd.evaluation.collect import CollectOptions, check_request, collect_with
 from retrograd.recipes.agent_grpo import open_task
 from retrograd.rollouts import agent
-from retrograd.recipes.collect import CollectOptions, check_request, collect_with
 from retrograd.sampler import Completion
 from retrograd.training.report import SilentReporter
 

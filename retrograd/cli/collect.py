@@ -1,6 +1,6 @@
 """`retrograd collect CONFIG.toml --out FILE.jsonl`: an agent_grpo config's scenarios rolled
 out without training, the good traces written as SFT tool records or preference pairs (the
-work is retrograd.recipes.collect; this only wires it)."""
+work is retrograd.evaluation.collect; this only wires it)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def collect(
 ) -> None:
     """Roll out an agent_grpo config's scenarios (nothing is trained) and write the successful traces as SFT tool records."""
     from retrograd.config import load_config
-    from retrograd.recipes.collect import CollectOptions, collect as run_collect
+    from retrograd.evaluation.collect import CollectOptions, collect as run_collect
 
     cfg = load_config(config).with_overrides(model=model, device=device)
     options = CollectOptions(out=out, k=k, keep=keep, min_reward=min_reward, limit=limit, seed=seed, report=report,

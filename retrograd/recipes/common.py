@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from retrograd.config import Config
-from retrograd.data import ChatFormat, Prompts, evenly_spaced, load_prompts, resolve_chat_template
+from retrograd.data import ChatFormat, Prompts, completion_seed, evenly_spaced, load_prompts, resolve_chat_template
 from retrograd.errors import ConfigError, DeviceError, TrainingDiverged
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
@@ -29,7 +29,7 @@ from retrograd.runtime.bundled import default_model_path
 from retrograd.runtime.cpu_share import CpuShare
 from retrograd.runtime.device import off_device, resolve_device
 from retrograd.runtime.memory import rss_bytes
-from retrograd.sampler import Sampler, SamplerOptions
+from retrograd.sampler import GroupRequest, Sampler, SamplerOptions
 from retrograd.training.checkpoint import content_hash, file_fingerprint, latest_checkpoint
 from retrograd.training.distributed import rank_device
 from retrograd.training.report import Reporter
@@ -211,6 +211,14 @@ def run_prompts(cfg: Config, chat: ChatFormat, path: Path, max_new_tokens: int, 
     held_out = load_prompts(cfg.evaluation.data, chat, max_tokens=budget, evaluation=True)
     reporter.message(f"evaluation: {held_out.description}")
     return prompts, evenly_spaced(held_out, cfg.evaluation.max_examples)
+
+
+def held_out_rewards(sampler: Sampler, reward, prompts, sampling, seed: int, text) -> list[float]:
+    """The reward of one completion per prompt, each seeded by its index (seed + 1: apart from
+    training's draws), the prompt's reference answer given to the reward (grpo, ppo)."""
+    requests = [GroupRequest(p.ids, [completion_seed(seed + 1, i, 0)], sampling) for i, p in enumerate(prompts)]
+    completions = [group[0] for group in sampler.generate(requests)]
+    return reward.score([p.text for p in prompts], [text(c.tokens) for c in completions], [p.reference for p in prompts])
 
 
 def signature(setup: Setup, data_files: dict[str, Path]) -> dict:

@@ -38,6 +38,7 @@ from retrograd.objectives.advantages import baseline_name, group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
 from retrograd.recipes.common import (
+    held_out_rewards,
     open_chat,
     open_rollout_sampler,
     prepare,
@@ -335,10 +336,3 @@ class GRPORollouts:
         rewards = held_out_rewards(self.sampler, self.reward, self.eval_prompts, self.sampling, self.g.sampling.seed, self._text)
         return reward_evaluation(update, self.g.updates, rewards)
 
-
-def held_out_rewards(sampler: Sampler, reward, prompts, sampling: Sampling, seed: int, text) -> list[float]:
-    """The reward of one completion per prompt, each seeded by its index (seed + 1: apart from
-    training's draws), the prompt's reference answer given to the reward (grpo, ppo)."""
-    requests = [GroupRequest(p.ids, [completion_seed(seed + 1, i, 0)], sampling) for i, p in enumerate(prompts)]
-    completions = [group[0] for group in sampler.generate(requests)]
-    return reward.score([p.text for p in prompts], [text(c.tokens) for c in completions], [p.reference for p in prompts])

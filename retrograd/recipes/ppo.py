@@ -30,6 +30,7 @@ from retrograd.data import Prompt, completion_seed, order_name, prompt_index
 from retrograd.objectives.critic import FEATURE_DTYPES, ValueHead, explained_variance, gae, whiten
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.recipes.common import (
+    held_out_rewards,
     open_chat,
     open_rollout_sampler,
     prepare,
@@ -37,7 +38,6 @@ from retrograd.recipes.common import (
     run_prompts,
     signature,
 )
-from retrograd.recipes.grpo import held_out_rewards
 from retrograd.rollouts.rewards import make_reward
 from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
