@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# The GPU path, measured on a CUDA machine (a few minutes on one GPU; not yet run on one):
-#   1. where llama.cpp samples (device, layers offloaded);
-#   2. our sides of the SFT benchmark (tok/s) and of the GRPO benchmark (s/update);
-#   3. the GRPO benchmark's run under `retrograd profile` at training.max_gpu_duty_cycle = 1 and
-#      0.5: s/update and the scheduler's observed duty cycle.
+# The GPU path, measured on a CUDA machine (a few minutes on one GPU):
+#   benchmarks/gpu_check.sh [--phases device,sft,grpo,duty] [MODEL.gguf ...]
+# MODELs default to the bundled SmolLM2-135M (benchmarks/sized_models.py writes 0.5B and 1.5B ones).
+#   device  where llama.cpp runs (device, layers offloaded) on the first model;
+#   sft     per model, our sides of the SFT benchmark (f32 and bf16 compute; tok/s);
+#   grpo    per model, our side of the GRPO benchmark (auto dtype; s/update, phases);
+#   duty    the GRPO benchmark's run on the first model under `retrograd profile` at
+#           training.max_gpu_duty_cycle = 1 and 0.5: s/update and the scheduler's observed duty cycle.
 # Around each run nvidia-smi samples GPU 0 every 100 ms: the VRAM peak (torch and llama.cpp
 # together, above what was in use before the run) and the mean GPU utilization (the duty cycle
 # as the GPU saw it). A machine without a CUDA GPU gets one line and exit status 2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
+phases=device,sft,grpo,duty
+if [[ ${1:-} == --phases ]]; then
+    phases=$2
+    shift 2
+fi
+models=("$@")
 
 if ! nvidia-smi -L >/dev/null 2>&1 || ! "$python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
     echo "gpu_check: no CUDA GPU here (nvidia-smi and torch.cuda.is_available() must both see one); on the CPU run sft_vs_trl.py and grpo_vs_trl.py" >&2
@@ -17,46 +26,66 @@ if ! nvidia-smi -L >/dev/null 2>&1 || ! "$python" -c "import sys, torch; sys.exi
 fi
 tmp=$(mktemp -d)
 trap 'jobs -p | xargs -r kill 2>/dev/null || true; rm -rf "$tmp"' EXIT
+phase() { [[ ",$phases," == *",$1,"* ]]; }
+label() { if [[ -n ${1:-} ]]; then basename "$1" .gguf; else echo SmolLM2-135M; fi; }
+model_args() { if [[ -n ${1:-} ]]; then echo --model "$1"; fi; }
 
 measured() {  # NAME COMMAND...: run it (output kept in $tmp/NAME.out) while nvidia-smi samples GPU 0
-    local name=$1 before sampler
+    local name=$1 before sampler status=0
     shift
     before=$(nvidia-smi --id=0 --query-gpu=memory.used --format=csv,noheader,nounits)
     nvidia-smi --id=0 --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits -lms 100 > "$tmp/$name.smi" &
     sampler=$!
-    "$@" | tee "$tmp/$name.out"
+    "$@" 2>&1 | tee "$tmp/$name.out" || status=$?
     kill "$sampler"
     wait "$sampler" || true
-    awk -F', *' -v name="$name" -v before="$before" '
+    awk -F', *' -v name="$name" -v before="$before" -v status="$status" '
         { if ($1 > peak) peak = $1; util += $2; n++ }
-        END { printf "%-9s VRAM peak %6d MiB above the %d MiB in use before; mean GPU utilization %3.0f%% (%d samples)\n",
-              name, peak - before, before, util / n, n }' "$tmp/$name.smi" >> "$tmp/summary"
+        END { printf "%-32s VRAM peak %6d MiB above the %d MiB in use before; mean GPU utilization %3.0f%% (%d samples)%s\n",
+              name, peak - before, before, util / n, n, status ? "; FAILED, exit " status : "" }' "$tmp/$name.smi" >> "$tmp/summary"
 }
 
 echo "== device"
 nvidia-smi --id=0 --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"$python" - <<'EOF'
-from retrograd.llamacpp import gpu_offload_warning
+if phase device; then
+    "$python" - "${models[0]:-}" <<'EOF'
+import sys
+
+from retrograd.runtime.llamacpp import gpu_offload_warning
 from retrograd.sampler import Sampler, SamplerOptions
 
-with Sampler(None, SamplerOptions(n_ctx=64, n_seq_max=2)) as sampler:
+with Sampler(sys.argv[1] or None, SamplerOptions(n_ctx=64, n_seq_max=2)) as sampler:
     print(f"llama.cpp sampler: {sampler.placement.describe()}")
 print(gpu_offload_warning(True) or "llama.cpp has GPU offload")
 EOF
+fi
 
-echo "== SFT"
-measured sft "$python" benchmarks/sft_vs_trl.py --sides ours-f32,ours-bf16
-echo "== GRPO"
-measured grpo "$python" benchmarks/grpo_vs_trl.py --sides ours-auto
-echo "== duty cycle"
-"$python" benchmarks/grpo_vs_trl.py --write-config "$tmp/duty-1.0" > /dev/null
-"$python" benchmarks/grpo_vs_trl.py --write-config "$tmp/duty-0.5" --duty-cycle 0.5 > /dev/null
-measured duty-1.0 "$python" -m retrograd profile "$tmp/duty-1.0/grpo.toml" --full
-measured duty-0.5 "$python" -m retrograd profile "$tmp/duty-0.5/grpo.toml" --full
+for model in "${models[@]:-}"; do
+    name=$(label "$model")
+    if phase sft; then
+        echo "== SFT, $name"
+        measured "sft-$name" "$python" benchmarks/sft_vs_trl.py --sides ours-f32,ours-bf16 $(model_args "$model")
+    fi
+    if phase grpo; then
+        echo "== GRPO, $name"
+        measured "grpo-$name" "$python" benchmarks/grpo_vs_trl.py --sides ours-auto $(model_args "$model")
+    fi
+done
+
+if phase duty; then
+    name=$(label "${models[0]:-}")
+    echo "== duty cycle, $name"
+    for duty in 1.0 0.5; do
+        "$python" benchmarks/grpo_vs_trl.py --write-config "$tmp/duty-$duty" --duty-cycle $duty $(model_args "${models[0]:-}") > /dev/null
+        RETROGRAD_BENCH_MODEL=${models[0]:-} measured "duty-$duty-$name" "$python" -m retrograd profile "$tmp/duty-$duty/grpo.toml" --full
+    done
+fi
 
 echo "== summary"
-grep -h -e "^CPU" -e "^tok/s steady" -e "^update s, median" -e "^  train total" "$tmp/sft.out" "$tmp/grpo.out" || true
-for run in duty-1.0 duty-0.5; do
-    grep -e "^duty cycle" -e "^  device peak" -e "^Summary" "$tmp/$run.out" | sed "s/^ */$run: /" || true
+for out in "$tmp"/*.out; do
+    [[ -e $out ]] || continue
+    run=$(basename "$out" .out)
+    grep -e "^CPU" -e "^tok/s steady" -e "^update s, median" -e "^  train total" -e "^duty cycle" -e "^  device peak" -e "^Summary" "$out" \
+        | sed "s/^ */$run: /" || true
 done
-cat "$tmp/summary"
+cat "$tmp/summary" 2>/dev/null || true

@@ -150,7 +150,7 @@ def step_budget(config: Path) -> tuple[list, int]:
     examples = load_sft(cfg.sft.data, open_chat(cfg), ctx=WORK.max_len).examples
     assert len(examples) == WORK.rows, "no row is longer than max_len"
     budget = max(sum(len(e.ids) for e in examples[k : k + WORK.batch]) for k in range(0, WORK.rows, WORK.batch))
-    plan = epoch_plan(examples, 0, seed=WORK.seed, shuffle=False, micro_batch=budget, accumulation=1)
+    plan = epoch_plan([len(e.ids) for e in examples], 0, seed=WORK.seed, shuffle=False, micro_batch=budget, accumulation=1)
     expected = [[list(range(k, k + WORK.batch))] for k in range(0, WORK.rows, WORK.batch)]
     assert plan == expected, f"micro_batch {budget} does not pack rows 8k..8k+7 per step"
     return examples, budget

@@ -52,14 +52,14 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 def _nibbles(qs: torch.Tensor, groups: int, width: int) -> torch.Tensor:
     """[n, groups*width] bytes -> [n, groups, 2*width]: low nibbles, then high nibbles."""
     n = qs.shape[0]
-    q = qs.reshape(n, groups, 1, width) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    q = qs.reshape(n, groups, 1, width) >> torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).reshape(1, 1, 2, 1)
     return (q & 0x0F).reshape(n, groups, 2 * width)
 
 
 def _bits(qh: torch.Tensor, n_bits: int) -> torch.Tensor:
     """[n, B] bytes -> [n, B*8] single bits, little-endian within each byte."""
     n = qh.shape[0]
-    shifts = torch.arange(n_bits, dtype=torch.uint8).reshape(1, 1, n_bits)
+    shifts = torch.arange(n_bits, dtype=torch.uint8, device=qh.device).reshape(1, 1, n_bits)
     return ((qh.reshape(n, -1, 1) >> shifts) & 1).reshape(n, -1)
 
 
@@ -156,7 +156,7 @@ def _q5_k(blocks):
     sc, mn = _k_scales(blocks[:, 4:16])
     dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
-    qh = blocks[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    qh = blocks[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
     qh = (qh & 1).reshape(n, 8, 32)
     ql = _nibbles(blocks[:, 48:], 4, 32).reshape(n, 8, 32)
     q = (ql | (qh << 4)).to(torch.float32)
@@ -168,7 +168,7 @@ def _q6_k(blocks):
     # 128 bytes low nibbles + 64 bytes high 2-bit pairs + 16 int8 scales + f16 d
     n = blocks.shape[0]
     ql = _nibbles(blocks[:, :128], 2, 64).reshape(n, 8, 32)
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).reshape(1, 1, 4, 1)
     qh = (qh & 0x03).reshape(n, 8, 32)
     scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     d = _f16(blocks[:, 208:210])

@@ -49,6 +49,15 @@ def test_kernel_equals_gguf_dequantize(qtype, compiled):
     assert bad.size == 0, f"{bad.size} values differ, first at {bad[0]}: {ours[bad[0]]} vs {expected[bad[0]]}"
 
 
+@pytest.mark.parametrize("qtype", sorted(CODECS, key=lambda q: q.value), ids=lambda q: q.name)
+def test_kernel_keeps_to_the_blocks_device(qtype):
+    """Blocks on another device (meta stands in for CUDA here) dequantize there: a constant
+    made on the CPU (a shift table, say) raises, as it did for every quantized model on an H200."""
+    raw = torch.from_numpy(random_blocks(qtype, 4, np.random.default_rng(0))).to("meta")
+    out = dequantize(raw, qtype, (4 * GGML_QUANT_SIZES[qtype][0],))
+    assert out.device.type == "meta" and out.shape == (4 * GGML_QUANT_SIZES[qtype][0],)
+
+
 def test_bf16_output_is_the_rounded_f32_output():
     raw = torch.from_numpy(random_blocks(QT.Q4_K, 64, np.random.default_rng(0)))
     f32 = dequantize(raw, QT.Q4_K, (64 * 256,))

@@ -1,9 +1,11 @@
 """The sleep-gated scheduler behind training.max_gpu_duty_cycle, driven by a fake clock
 and a fake device."""
 
+from types import SimpleNamespace
+
 import torch
 
-from retrograd.training.duty_cycle import DutyCycle, for_device
+from retrograd.training.duty_cycle import DutyCycle, for_device, for_generation
 
 
 class FakeDevice:
@@ -100,3 +102,16 @@ def test_cpu_device_is_inert_and_says_so_once():
     assert duty.stats.busy == 0.0 and duty.stats.idle == 0.0
     again = for_device(1.0, torch.device("cpu"), notes.append)
     assert not again.active and again.limit == 1.0 and len(notes) == 1  # no limit asked for: no note
+
+
+def test_generation_is_a_burst_only_where_llama_cpp_offloads():
+    """A CUDA trainer beside a CPU llama.cpp: generation is not paced (the GPU idles through
+    it); with layers on a GPU, generation shares the trainer's scheduler and its window."""
+    from retrograd.sampler import Placement
+
+    trainer = DutyCycle(0.5, lambda: None)
+    on_cpu = SimpleNamespace(placement=Placement((), 0, 31))
+    on_gpu = SimpleNamespace(placement=Placement(("CUDA0 (NVIDIA H200)",), 31, 31))
+    assert not for_generation(trainer, on_cpu).active
+    assert not for_generation(trainer, None).active  # a torchrun rank that only trains
+    assert for_generation(trainer, on_gpu) is trainer

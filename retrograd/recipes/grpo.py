@@ -50,6 +50,7 @@ from retrograd.rollouts.judge import JudgeError, RulerJudge, judge_group, make_j
 from retrograd.rollouts.rewards import make_reward
 from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
+from retrograd.training.duty_cycle import for_generation
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
     RolloutResult,
@@ -122,7 +123,8 @@ class GRPORollouts:
     """What GRPO hands the rollout loop: sampling and scoring groups, and their advantages."""
 
     def __init__(self, cfg: Config, sampler: Sampler, reward, prompts, eval_prompts, duty, tokenizer, judge=None):
-        self.cfg, self.g, self.sampler, self.reward, self.duty, self.tokenizer = cfg, cfg.grpo, sampler, reward, duty, tokenizer
+        self.cfg, self.g, self.sampler, self.reward, self.tokenizer = cfg, cfg.grpo, sampler, reward, tokenizer
+        self.duty = for_generation(duty, sampler)
         self.judge = judge
         self.prompts, self.eval_prompts = prompts, eval_prompts
         self.sampling = Sampling(self.g.sampling.max_new_tokens, self.g.sampling.temperature, self.g.sampling.top_p)

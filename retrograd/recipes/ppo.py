@@ -41,6 +41,7 @@ from retrograd.recipes.common import (
 from retrograd.rollouts.rewards import make_reward
 from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
+from retrograd.training.duty_cycle import for_generation
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
     RolloutResult,
@@ -138,7 +139,7 @@ class PPORollouts:
                   for k in positions]
         requests = [GroupRequest(prompt.ids, [completion_seed(p.sampling.seed, k, 0)], self.sampling)
                     for k, prompt in zip(positions, chosen)]
-        with clock.phase("generation"), self.policy.duty.burst():
+        with clock.phase("generation"), for_generation(self.policy.duty, self.sampler).burst():
             completions = [group[0] for group in self.sampler.generate(requests)]
         texts = [self._text(c.tokens) for c in completions]
         with clock.phase("reward"):

@@ -5,7 +5,8 @@ starts after the device has finished earlier work and ends when its own work is 
 (synchronize). After a burst the scheduler sleeps just long enough that, over a sliding
 window of recent bursts, busy / (busy + idle) stays at or below the limit. It frees compute
 time, not memory. On the CPU there is nothing to share this way: the limit is accepted and
-has no effect (training.threads is the CPU knob).
+has no effect (training.threads is the CPU knob). llama.cpp's generation counts as a burst
+only when it runs on a GPU (for_generation).
 """
 
 from __future__ import annotations
@@ -77,6 +78,16 @@ class DutyCycle:
         total_busy = past_busy + busy
         # busy / (busy + idle) <= limit  <=>  idle >= busy (1 - limit) / limit
         return max(0.0, total_busy * (1.0 - self.limit) / self.limit - past_idle)
+
+
+def for_generation(duty: DutyCycle, sampler) -> DutyCycle:
+    """The scheduler for llama.cpp's generation bursts: the run's own where this process's
+    llama.cpp runs layers on a GPU, inert where it samples on the CPU (or in rollout workers).
+    A CPU sampler beside a CUDA trainer must not sleep for a GPU it leaves idle: on an H200
+    with CPU sampling, gating generation too halved the update rate at duty 0.5 while the GPU
+    was busy 9% of the time."""
+    placement = getattr(sampler, "placement", None)
+    return duty if getattr(placement, "layers_offloaded", 0) else DutyCycle(1.0, lambda: None)
 
 
 def for_device(limit: float, device, notify: Callable[[str], None]) -> DutyCycle:

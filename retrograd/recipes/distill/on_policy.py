@@ -29,6 +29,7 @@ from retrograd.recipes.distill.common import (
 from retrograd.runtime.memory import rss_bytes
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.teacher import TeacherScores, check_same_tokenizer, gather_at, open_teacher, pack_rollouts
+from retrograd.training.duty_cycle import for_generation
 from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
     RolloutResult,
@@ -170,7 +171,7 @@ class OnPolicyRollouts:
                                  [completion_seed(d.sampling.seed, cursor + k, j) for j in range(d.samples_per_prompt)],
                                  self.sampling)
                     for k, i in enumerate(chosen)]
-        with clock.phase("generation"), self.policy.duty.burst():
+        with clock.phase("generation"), for_generation(self.policy.duty, self.sampler).burst():
             groups = self.sampler.generate(requests)
         sampled = [(g, i, c) for g, (i, group) in enumerate(zip(chosen, groups)) for c in group]
         with clock.phase("teacher"):
