@@ -1,10 +1,13 @@
 """Log-probabilities from `retrograd serve`: /v1/completions' `logprobs` and `echo` (OpenAI's
 legacy shape; `echo` with `max_tokens: 0` scores a prompt alone, as lm-evaluation-harness
-asks) and chat's `logprobs` / `top_logprobs`, per model name, at the request's temperature.
+asks) and chat's `logprobs` / `top_logprobs`, per model name, at the request's temperature,
+whole or streamed (the chunks' entries joined are the whole reply's).
 The values are checked against llama.cpp's own logits for the same tokens, computed apart
 (llama-cpp-python, one batch, the same f16 KV cache) on a random F32 model."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -99,10 +102,44 @@ def test_chat_logprobs_have_openai_shape(smollm2):
         assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
 
 
+def streamed(http, path: str, body: dict) -> list[dict]:
+    """The chunks of a streamed reply (the data events before [DONE])."""
+    response = http.post(path, json=body | {"stream": True})
+    assert response.status_code == 200, response.text
+    data = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("echo, max_tokens", [(False, 6), (True, 4), (True, 0)])
+def test_streamed_completion_chunks_carry_the_whole_replys_log_probs(client, echo, max_tokens):
+    body = {"model": "tuned", "prompt": PROMPT, "max_tokens": max_tokens, "logprobs": 3, "temperature": 0.8, "seed": 11,
+            "echo": echo}
+    whole = completion(client, **body)
+    chunks = [c["choices"][0] for c in streamed(client, "/v1/completions", body)]
+    assert "".join(c["text"] for c in chunks) == whole["text"] and chunks[-1]["finish_reason"] == whole["finish_reason"]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for c in chunks for v in c["logprobs"][field]] == whole["logprobs"][field], field
+    for c in chunks:  # each chunk's entries spell its own text (where no token splits a character)
+        spelled = "".join(c["logprobs"]["tokens"])
+        assert spelled == c["text"] or "\ufffd" in spelled
+
+
+def test_streamed_chat_chunks_carry_the_whole_replys_log_probs(smollm2):
+    body = {"model": "base", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12,
+            "temperature": 0.7, "seed": 3, "logprobs": True, "top_logprobs": 2, "stop": ["blue"]}
+    with Inference(smollm2, n_ctx=256, n_threads=2) as inference, \
+            TestClient(create_app(inference, api_key=None, max_request_bytes=1 << 20, max_queue=4)) as http:
+        whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        chunks = [c["choices"][0] for c in streamed(http, "/v1/chat/completions", body)]
+    assert "".join(c["delta"].get("content", "") for c in chunks) == whole["message"]["content"]
+    assert [e for c in chunks for e in c["logprobs"]["content"]] == whole["logprobs"]["content"]
+    assert len(whole["logprobs"]["content"]) > 1
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": PROMPT, "logprobs": MAX_TOP_LOGPROBS + 1}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 1, "stream": True}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": MAX_TOP_LOGPROBS + 1}, "top_logprobs"),

@@ -15,7 +15,9 @@ says only that something failed; the details go to stderr.
 `logprobs` (and `echo`, on /v1/completions; `top_logprobs` on chat) give each reply token's
 log-probability under the model at the request's temperature (1 when greedy; before any
 grammar mask), and with echo each prompt token's after the first: `echo` with
-`max_tokens: 0` scores a prompt alone, as lm-evaluation-harness asks.
+`max_tokens: 0` scores a prompt alone, as lm-evaluation-harness asks. Streamed, each chunk
+carries the log-probs of the tokens its text came from (text held back for a stop string
+brings its tokens' log-probs along later), so the chunks' entries joined are the whole reply's.
 
 `response_format` (JSON object or JSON schema) and `tools` / `tool_choice` are enforced while
 sampling, with a grammar (retrograd/serving/structured.py); a schema the grammar cannot
@@ -233,8 +235,6 @@ class _Request(BaseModel):
     def settings(self, max_tokens: int | None) -> Settings:
         """How the reply is sampled; a 400 when its response_format or tools cannot be enforced."""
         logprobs = self.top_logprobs_wanted()
-        if logprobs is not None and self.stream:
-            raise APIError(400, "logprobs: not available with stream = true yet; ask for the whole reply", param="logprobs")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             grammar = reply_grammar(self.response_format and self.response_format.schema_for_reply(), self.calls())
@@ -329,6 +329,16 @@ class _Reply:
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.generation = model, generation
+        self.reported = 0  # reply tokens whose log-probs a stream chunk carried
+
+    def _unreported(self, upto: int | None = None) -> list:
+        """The reply tokens' log-probs not yet streamed, up to token `upto` (all: None)."""
+        g = self.generation
+        if g.settings.logprobs is None:
+            return []
+        upto = len(g.token_logprobs) if upto is None else upto
+        entries, self.reported = g.token_logprobs[self.reported : upto], max(self.reported, upto)
+        return entries
 
     def usage(self) -> dict[str, int]:
         g = self.generation
@@ -354,30 +364,35 @@ class ChatReply(_Reply):
         super().__init__(model, generation, "chatcmpl")
         self.calls, self.content, self.streamed = calls, ContentStream(calls), 0
 
-    def _chunk(self, delta: dict, finish: str | None = None) -> dict:
+    def _chunk(self, delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
+        carried = self._content(logprobs) if self.generation.settings.logprobs is not None else None
         return self._envelope(
-            "chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            "chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": carried, "finish_reason": finish}]
         )
 
     def first(self) -> dict:
-        return self._chunk({"role": "assistant", "content": ""})
+        return self._chunk({"role": "assistant", "content": ""}, logprobs=[])
 
-    def pieces(self, text: str) -> list[dict]:
+    def pieces(self, text: str, upto: int | None = None) -> list[dict]:
+        """Chunks for a piece of reply text that came from the reply's first `upto` tokens."""
         text = self.content.feed(text)
         self.streamed += len(text)
-        return [self._chunk({"content": text})] if text else []
+        return [self._chunk({"content": text}, logprobs=self._unreported(upto))] if text else []
 
     def last(self) -> list[dict]:
-        """What the stream held back: the tool calls, or the rest of the content; then the finish."""
+        """What the stream held back: the tool calls, or the rest of the content; then the finish
+        (carrying the log-probs of the tokens no chunk carried yet)."""
         g = self.generation
         _, tool_calls = split_reply(g.text, self.calls)
         if tool_calls:
             after = g.text[g.text.rfind(CALL_CLOSE) + len(CALL_CLOSE) :].split(CALL_OPEN)[0].strip()  # prose after them
-            calls = [self._chunk({"tool_calls": [{"index": i} | call]}) for i, call in enumerate(tool_calls)]
+            calls = [self._chunk({"tool_calls": [{"index": i} | call]}, logprobs=[]) for i, call in enumerate(tool_calls)]
             finish = "length" if g.finish_reason == "length" else "tool_calls"
-            return [*([self._chunk({"content": "\n" + after})] if after else []), *calls, self._chunk({}, finish)]
+            return [*([self._chunk({"content": "\n" + after}, logprobs=[])] if after else []), *calls,
+                    self._chunk({}, finish, logprobs=self._unreported())]
         rest = g.text[self.streamed :]
-        return [*([self._chunk({"content": rest})] if rest else []), self._chunk({}, g.finish_reason)]
+        return [*([self._chunk({"content": rest}, logprobs=[])] if rest else []),
+                self._chunk({}, g.finish_reason, logprobs=self._unreported())]
 
     def usage_chunk(self) -> dict:
         return self._envelope("chat.completion.chunk", [], usage=self.usage())
@@ -387,15 +402,16 @@ class ChatReply(_Reply):
         content, tool_calls = split_reply(g.text, self.calls)
         message = {"role": "assistant", "content": content} | ({"tool_calls": tool_calls} if tool_calls else {})
         finish = "tool_calls" if tool_calls and g.finish_reason != "length" else g.finish_reason
-        logprobs = None
-        if g.settings.logprobs is not None:
-            logprobs = {"content": [self._entry(lp.token, lp.logprob) | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]}
-                                    for lp in g.token_logprobs]}
+        logprobs = self._content(g.token_logprobs) if g.settings.logprobs is not None else None
         return self._envelope(
             "chat.completion",
             [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             usage=self.usage(),
         )
+
+    def _content(self, token_logprobs) -> dict:
+        return {"content": [self._entry(lp.token, lp.logprob) | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                            for lp in token_logprobs]}
 
     def _entry(self, token: int, logprob: float) -> dict:
         piece = self.generation.inference.piece(token)
@@ -405,6 +421,8 @@ class ChatReply(_Reply):
 class TextReply(_Reply):
     def __init__(self, model: str, generation: Generation):
         super().__init__(model, generation, "cmpl")
+        self.echoed = False  # streamed: the echoed prompt went out (with the first piece, once it is scored)
+        self.offset = 0  # streamed: characters before the next chunk's text, for text_offset
 
     def _choice(self, text: str, finish: str | None) -> list[dict]:
         return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
@@ -412,11 +430,27 @@ class TextReply(_Reply):
     def first(self) -> None:
         return None
 
-    def pieces(self, text: str) -> list[dict]:
-        return [self._envelope("text_completion", self._choice(text, None))]
+    def pieces(self, text: str, upto: int | None = None) -> list[dict]:
+        """The echoed prompt before the first piece; each chunk with its tokens' log-probs."""
+        return self._streamed(text, self._unreported(upto), None)
 
     def last(self) -> list[dict]:
-        return [self._envelope("text_completion", self._choice("", self.generation.finish_reason))]
+        return self._streamed("", self._unreported(), self.generation.finish_reason)
+
+    def _streamed(self, text: str, reply_logprobs: list, finish: str | None) -> list[dict]:
+        g = self.generation
+        entries = [(lp.token, lp) for lp in reply_logprobs]
+        if not self.echoed:
+            self.echoed = True
+            if g.settings.echo:
+                text = self._detokenized(g.prompt) + text
+                entries = list(zip(g.prompt, g.prompt_logprobs)) + entries
+            else:
+                self.offset = len(self._detokenized(g.prompt))
+        choice = self._choice(text, finish)
+        if g.settings.logprobs is not None:
+            choice[0]["logprobs"], self.offset = self._legacy(entries, self.offset)
+        return [self._envelope("text_completion", choice)]
 
     def usage_chunk(self) -> dict:
         return self._envelope("text_completion", [], usage=self.usage())
@@ -428,19 +462,20 @@ class TextReply(_Reply):
             text = self._detokenized(g.prompt) + g.text
             choice[0]["text"] = text
         if g.settings.logprobs is not None:
-            choice[0]["logprobs"] = self._logprobs(g)
+            echoed = list(zip(g.prompt, g.prompt_logprobs)) if g.settings.echo else []
+            start = 0 if g.settings.echo else len(self._detokenized(g.prompt))
+            choice[0]["logprobs"], _ = self._legacy(echoed + [(lp.token, lp) for lp in g.token_logprobs], start)
         return self._envelope("text_completion", choice, usage=self.usage())
 
     def _detokenized(self, tokens) -> str:
         return b"".join(self.generation.inference.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
-    def _logprobs(self, g: Generation) -> dict:
-        """OpenAI's legacy shape, over the echoed prompt's tokens (the first has no log-prob)
-        and the reply's; text_offset counts characters from the start of the prompt."""
-        echoed = list(zip(g.prompt, g.prompt_logprobs)) if g.settings.echo else []
-        entries = echoed + [(lp.token, lp) for lp in g.token_logprobs]
+    def _legacy(self, entries: list, start: int) -> tuple[dict, int]:
+        """OpenAI's legacy shape over (token, TokenLogprob or None) entries: an echoed prompt's
+        first token has no log-prob; text_offset counts characters from the start of the
+        prompt, the first entry at `start`. Also the offset after the last entry."""
         pieces = [self._detokenized([t]) for t, _ in entries]
-        offsets, at = [], 0 if g.settings.echo else len(self._detokenized(g.prompt))
+        offsets, at = [], start
         for piece in pieces:
             offsets.append(at)
             at += len(piece)
@@ -449,7 +484,7 @@ class TextReply(_Reply):
             "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
             "top_logprobs": [None if lp is None else {self._detokenized([t]): v for t, v in lp.top} for _, lp in entries],
             "text_offset": offsets,
-        }
+        }, at
 
 
 # ---- the app
@@ -665,8 +700,8 @@ async def _events(reply: _Reply, lock: threading.Lock, closing: threading.Event,
             generation.cancelled.set()
 
     def produce() -> None:
-        try:
-            _in_turn(generation, lock, closing, put)
+        try:  # each piece with the number of reply tokens it came from, for its chunk's log-probs
+            _in_turn(generation, lock, closing, lambda text: put((text, len(generation.token_logprobs))))
         except Exception as e:  # noqa: BLE001 (reported to the client as an error event)
             put(e)
         finally:
@@ -682,7 +717,7 @@ async def _events(reply: _Reply, lock: threading.Lock, closing: threading.Event,
                 logging.getLogger("uvicorn.error").error("generation failed", exc_info=item)
                 yield {"data": json.dumps(error_body(INTERNAL_ERROR, kind="server_error"))}
                 return
-            for chunk in reply.pieces(item):
+            for chunk in reply.pieces(*item):
                 yield {"data": json.dumps(chunk)}
         for chunk in reply.last():
             yield {"data": json.dumps(chunk)}
