@@ -200,12 +200,27 @@ class DynamicSamplingSection:
 
 
 @section
-class GRPOSection:
+class RewardedPrompts:
+    """What [grpo] and [ppo] share: the prompts, and the reward program over the reward
+    protocol (reward_command) or an in-process function that scores their completions."""
+
     prompts: Path = key()
     reward_command: list[str] | None = key(None)
     reward_function: str | None = key(None)  # "module:function" or "file.py:function"
     reward_mode: str = key("persistent", choices=("persistent", "oneshot"))
     reward_timeout_seconds: float = key(300.0, gt=0)
+
+    def reward_problems(self, name: str) -> list[str]:
+        problems = []
+        if (self.reward_command is None) == (self.reward_function is None):
+            problems.append(f"[{name}] needs exactly one of reward_command (a program) or reward_function (module:function)")
+        if self.reward_mode != "persistent" and self.reward_function is not None:
+            problems.append(f"{name}.reward_mode applies to reward_command, not reward_function")
+        return problems
+
+
+@section
+class GRPOSection(RewardedPrompts):
     updates: int = key(ge=1)
     prompts_per_update: int = key(ge=1)
     group_size: int = key(ge=2, le=256)
@@ -243,12 +258,7 @@ class CriticSection:
 
 
 @section
-class PPOSection:
-    prompts: Path = key()
-    reward_command: list[str] | None = key(None)
-    reward_function: str | None = key(None)  # "module:function" or "file.py:function"
-    reward_mode: str = key("persistent", choices=("persistent", "oneshot"))
-    reward_timeout_seconds: float = key(300.0, gt=0)
+class PPOSection(RewardedPrompts):
     updates: int = key(ge=1)
     rollout_batch_size: int = key(ge=1)  # prompts per update, one completion each
     ppo_epochs: int = key(ge=1)
@@ -595,8 +605,7 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
         problems.append("training.require_gpu_resident = true with model.device = 'cpu': nothing would run on a GPU")
     grpo: GRPOSection | None = s.get("grpo")
     if grpo is not None:
-        if (grpo.reward_command is None) == (grpo.reward_function is None):
-            problems.append("[grpo] needs exactly one of reward_command (a program) or reward_function (module:function)")
+        problems += grpo.reward_problems("grpo")
         if grpo.clip_range_high < grpo.clip_range_low:
             problems.append(f"grpo.clip_range_high = {grpo.clip_range_high} must be >= grpo.clip_range_low = {grpo.clip_range_low}")
         if grpo.sampling.max_new_tokens >= training.ctx:
@@ -605,8 +614,6 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append("[grpo.kl_schedule] needs grpo.kl_coefficient > 0")
         if grpo.overlong_penalty and grpo.overlong_penalty.buffer_tokens > grpo.sampling.max_new_tokens:
             problems.append("grpo.overlong_penalty.buffer_tokens must be <= grpo.sampling.max_new_tokens")
-        if grpo.reward_mode != "persistent" and grpo.reward_function is not None:
-            problems.append("grpo.reward_mode applies to reward_command, not reward_function")
         if grpo.minibatches > grpo.prompts_per_update * grpo.group_size:
             problems.append(f"grpo.minibatches = {grpo.minibatches} is more than the {grpo.prompts_per_update * grpo.group_size} completions of an update")
         if grpo.sampling.top_p < 1 and grpo.tis_cap is None:
@@ -619,10 +626,7 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append("grpo.judge_weight needs a [grpo.judge]")
     ppo: PPOSection | None = s.get("ppo")
     if ppo is not None:
-        if (ppo.reward_command is None) == (ppo.reward_function is None):
-            problems.append("[ppo] needs exactly one of reward_command (a program) or reward_function (module:function)")
-        if ppo.reward_mode != "persistent" and ppo.reward_function is not None:
-            problems.append("ppo.reward_mode applies to reward_command, not reward_function")
+        problems += ppo.reward_problems("ppo")
         if ppo.sampling.max_new_tokens >= training.ctx:
             problems.append(f"ppo.sampling.max_new_tokens = {ppo.sampling.max_new_tokens} leaves no room for a prompt in training.ctx = {training.ctx}")
         if ppo.minibatches > ppo.rollout_batch_size:

@@ -1,6 +1,7 @@
 """`retrograd eval`: task files (and their errors, file:line), each choice's and each text's
-score against the transformer's own logits, the paired bootstrap's verdicts, and the command
-end to end on a random model with an adapter."""
+score against the transformer's own logits, the paired bootstrap's verdicts, generation tasks
+answered by llama.cpp and scored by a reward program, and the command end to end on a random
+model with an adapter."""
 
 import json
 import subprocess
@@ -14,11 +15,26 @@ from lora_files import random_adapter
 from retrograd import load_model
 from retrograd.errors import DataError
 from retrograd.evaluation.tasks import load_tasks, paired_difference, score_task
+from retrograd.recipes.common import model_chat
+from retrograd.runtime.bundled import default_model_path
 
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 MC = [{"question": "The capital of France is", "choices": ["Paris", "Rome", "Berlin"], "answer": 0},
       {"question": "Two plus two is", "choices": ["five", "four"], "answer": "four"}]
 TEXTS = [{"text": "The quick brown fox jumps over the lazy dog."}, {"text": "Once upon a time there was a fisherman."}]
+PROMPTS = [{"messages": [{"role": "user", "content": "Count to three."}]},
+           {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "blue"}]},
+           {"messages": [{"role": "user", "content": "Say something short."}]}]
+REWARDS = '''
+def length(prompts, completions, **_):
+    """Each answer's length in characters: differs for any change in what was sampled."""
+    return [float(len(c)) for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return model_chat(default_model_path())
 
 
 def write(path, records):
@@ -26,12 +42,12 @@ def write(path, records):
     return path
 
 
-def test_scores_are_the_transformers_log_probs(tmp_path, tiny_model):
+def test_scores_are_the_transformers_log_probs(tmp_path, tiny_model, chat):
     model = load_model(tiny_model("llama"), weights="f32")
     tok = model.tokenizer
     write(tmp_path / "mc.jsonl", MC)
     write(tmp_path / "text.jsonl", TEXTS)
-    mc, text = load_tasks(tmp_path)
+    mc, text = load_tasks(tmp_path, chat)
     assert (mc.name, mc.kind, text.kind) == ("mc", "multiple_choice", "perplexity") and mc.items[1].answer == 1
     for budget in (4096, 16):  # one micro-batch; prompts shared across split ones
         scores = score_task(model, mc, budget, "cpu", lambda n: None)
@@ -72,18 +88,20 @@ def test_paired_bootstrap_verdicts():
     ({"text": ""}, "\"text\" must be a non-empty string"),
     ({"prompt": "x"}, "expected a multiple-choice record"),
 ])
-def test_malformed_records_name_their_line(tmp_path, record, needle):
+def test_malformed_records_name_their_line(tmp_path, record, needle, chat):
     path = write(tmp_path / "t.jsonl", [MC[0], record])
     with pytest.raises(DataError, match=f"{path}:2: .*{needle}"):
-        load_tasks(path)
+        load_tasks(path, chat)
 
 
-def test_mixed_kinds_and_missing_files_are_refused(tmp_path):
+def test_mixed_kinds_and_missing_files_are_refused(tmp_path, chat):
     with pytest.raises(DataError, match="mixes multiple-choice and text records"):
-        load_tasks(write(tmp_path / "t.jsonl", [MC[0], TEXTS[0]]))
+        load_tasks(write(tmp_path / "t.jsonl", [MC[0], TEXTS[0]]), chat)
+    with pytest.raises(DataError, match="t.jsonl:2: "):  # a prompts file is read as training reads one
+        load_tasks(write(tmp_path / "t.jsonl", [PROMPTS[0], {"messages": "hi"}]), chat)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no \\*.jsonl files"):
-        load_tasks(tmp_path / "empty")
+        load_tasks(tmp_path / "empty", chat)
 
 
 def test_the_command_compares_base_and_adapters(tmp_path, tiny_model):
@@ -106,7 +124,48 @@ def test_the_command_compares_base_and_adapters(tmp_path, tiny_model):
     bad = write(tmp_path / "bad.jsonl", [{"question": "q"}])
     r = subprocess.run([*RETROGRAD, "eval", "--model", str(base), "--tasks", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip() == f"error: {bad}:1: expected a multiple-choice record " \
-        '{"question", "choices", "answer"} or a text record {"text"}', r.stderr
+        '{"question", "choices", "answer"}, a text record {"text"} or a generation record {"prompt"} / {"messages"}', r.stderr
+
+
+def eval_generation(tmp_path, base, *args) -> subprocess.CompletedProcess:
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return subprocess.run([*RETROGRAD, "eval", "--model", str(base), "--tasks", str(write(tmp_path / "gen.jsonl", PROMPTS)),
+                           "--reward-function", f"{tmp_path / 'rewards.py'}:length", "--max-new-tokens", "6",
+                           "--samples", "2", *args], capture_output=True, text=True)
+
+
+def test_generation_tasks_are_answered_with_paired_seeds_and_scored_by_the_reward(tmp_path, tiny_model):
+    """An adapter that changes nothing (B = 0) gets the same answers, so Δ is 0 exactly; a real
+    one gets its own; each recorded reward is the reward of the recorded answer."""
+    base = tiny_model("llama")
+    silent = random_adapter(base, tmp_path / "silent.gguf", scale=0.0)
+    tuned = random_adapter(base, tmp_path / "tuned.gguf", scale=2.0)
+    out = tmp_path / "eval.json"
+    r = eval_generation(tmp_path, base, "--adapter", str(silent), "--adapter", str(tuned), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "mean reward" in r.stdout and "reward), 95% CI" in r.stdout
+    result = json.loads(out.read_text())["gen"]
+    assert result["kind"] == "generation" and result["items"] == 3
+    assert result["differences"]["silent"] == {"mean": 0.0, "low": 0.0, "high": 0.0, "verdict": "no detectable change"}
+    items = result["per_item"]
+    for item in items:
+        for name in ("base", "silent", "tuned"):
+            assert len(item[name]["answers"]) == 2 and item[name]["rewards"] == [float(len(a)) for a in item[name]["answers"]]
+        assert item["silent"] == item["base"]
+    assert any(item["tuned"]["answers"] != item["base"]["answers"] for item in items)
+    means = [np.mean(item["base"]["rewards"]) for item in items]
+    assert result["metrics"]["base"]["mean reward"] == pytest.approx(np.mean(means))
+    assert eval_generation(tmp_path, base, "--out", str(tmp_path / "again.json")).returncode == 0
+    again = json.loads((tmp_path / "again.json").read_text())["gen"]["per_item"]
+    assert [i["base"] for i in again] == [i["base"] for i in items]  # the same seeds give the same answers
+
+
+def test_a_generation_task_without_a_reward_is_one_line(tmp_path, tiny_model):
+    r = subprocess.run([*RETROGRAD, "eval", "--model", str(tiny_model("llama")),
+                        "--tasks", str(write(tmp_path / "gen.jsonl", PROMPTS))], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: gen: a generation task needs a reward program to score its answers "
+        "(retrograd eval --reward-function module:function or --reward-command CMD)"), r.stderr
 
 
 def test_evaluation_tasks_run_after_training_and_a_bad_one_stops_it_first(tmp_path, tiny_model):
@@ -141,3 +200,53 @@ tasks = ["mc.jsonl"]
     write(tmp_path / "mc.jsonl", [MC[0], {"question": "q", "choices": ["a", "b"], "answer": 7}])
     r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and f"{tmp_path / 'mc.jsonl'}:2:" in r.stderr and "Traceback" not in r.stderr
+
+    write(tmp_path / "mc.jsonl", MC)
+    write(tmp_path / "gen.jsonl", PROMPTS)
+    cfg.write_text(cfg.read_text().replace('tasks = ["mc.jsonl"]', 'tasks = ["gen.jsonl"]'))
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "evaluation.tasks: gen is a generation task, scored by a reward program, and a sft run " \
+        "has none" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_grpo_run_scores_generation_tasks_with_its_own_reward(tmp_path, tiny_model):
+    examples = __import__("pathlib").Path(__file__).parents[1] / "examples"
+    (tmp_path / "prompts.jsonl").write_text((examples / "data/smoke_rl_prompts.jsonl").read_text())
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    write(tmp_path / "gen.jsonl", PROMPTS)
+    cfg = tmp_path / "grpo.toml"
+    cfg.write_text(f"""
+[run]
+algorithm = "grpo"
+[model]
+path = "{tiny_model("llama")}"
+[output]
+path = "out/run.gguf"
+[training]
+ctx = 96
+micro_batch = 256
+lr = 1e-3
+threads = 2
+[grpo]
+prompts = "prompts.jsonl"
+reward_function = "{tmp_path / "rewards.py"}:length"
+updates = 1
+prompts_per_update = 2
+group_size = 2
+grpo_epochs = 1
+clip_range_low = 0.2
+clip_range_high = 0.28
+kl_coefficient = 0.0
+[grpo.sampling]
+max_new_tokens = 6
+[evaluation]
+data = "prompts.jsonl"
+tasks = ["gen.jsonl"]
+""")
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out/run.eval.json").read_text())["gen"]
+    assert set(result["metrics"]) == {"base", "adapter"} and "mean reward" in result["metrics"]["adapter"]
+    for item in result["per_item"]:
+        assert len(item["adapter"]["answers"]) == 1
+        assert item["adapter"]["rewards"] == [float(len(a)) for a in item["adapter"]["answers"]]

@@ -3,6 +3,7 @@ paired, with a bootstrap interval and a verdict per difference."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -28,15 +29,31 @@ def eval_command(
     weights: WeightsOpt = "auto",
     micro_batch: Annotated[int, typer.Option("--micro-batch", min=16, help="Tokens per forward pass.")] = 2048,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results (per task, model and item) as JSON.")] = None,
+    reward_function: Annotated[Optional[str], typer.Option("--reward-function", help="Generation tasks: score answers with this Python function (module:function or file.py:function).")] = None,
+    reward_command: Annotated[Optional[str], typer.Option("--reward-command", help="Generation tasks: score answers with this program over the reward protocol (a command line).")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation tasks: the longest answer.")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.01, max=2.0, help="Generation tasks: sampling temperature.")] = 1.0,
+    samples: Annotated[int, typer.Option("--samples", min=1, max=64, help="Generation tasks: answers per prompt (the same seeds for every model).")] = 1,
 ) -> None:
     """Score the base and each adapter on the same items: multiple-choice accuracy (summed and
-    length-normalised log-prob) and perplexity, each adapter's difference with a 95% paired
-    bootstrap interval and a verdict (better / worse / no detectable change)."""
-    from retrograd.evaluation.tasks import load_tasks, loader
+    length-normalised log-prob), perplexity and, for generation tasks, the mean reward of
+    sampled answers; each adapter's difference with a 95% paired bootstrap interval and a
+    verdict (better / worse / no detectable change)."""
+    import shlex
+
+    from retrograd.evaluation.tasks import Answering, load_tasks, loader
+    from retrograd.recipes.common import model_chat
+    from retrograd.rollouts.rewards import make_reward
     from retrograd.runtime.bundled import default_model_path
     from retrograd.runtime.device import resolve_device
+    from retrograd.sampler import Sampling
 
-    loaded = load_tasks(tasks)
+    base = model or default_model_path()
+    chat = model_chat(base)
+    loaded = load_tasks(tasks, chat)
+    reward = None
+    if reward_function is not None or reward_command is not None:
+        reward = make_reward(command=shlex.split(reward_command) if reward_command else None, function=reward_function)
     adapters = {}
     for path in adapter or []:
         if not path.is_file():
@@ -48,23 +65,28 @@ def eval_command(
     if not console.is_terminal:
         console.width = 200
     console.print(f"eval: {len(loaded)} task(s) from {tasks}, models: base{''.join(', ' + n for n in adapters)}", markup=False)
-    load = loader(model or default_model_path(), weights=weights, device=resolve_device(device))
-    results = run_with_bar(console, load, adapters, loaded, micro_batch)
+    load = loader(base, weights=weights, device=resolve_device(device))
+    answering = None if reward is None else Answering(reward, Sampling(max_new_tokens, temperature), samples)
+    with reward or contextlib.nullcontext():
+        results = run_with_bar(console, load, adapters, loaded, micro_batch, base, answering, chat.tokenizer)
     console.print(results_table(results, list(adapters)))
     if out is not None:
         write_results(results, out)
         console.print(f"results: {out}", markup=False)
 
 
-def run_with_bar(console: Console, load, adapters: dict[str, Path], tasks, micro_batch: int):
-    """evaluation.tasks.evaluate under a progress bar of scored answers."""
-    from retrograd.evaluation.tasks import evaluate, n_rollouts
+def run_with_bar(console: Console, load, adapters: dict[str, Path], tasks, micro_batch: int, base: Path,
+                 answering=None, tokenizer=None):
+    """evaluation.tasks.evaluate under a progress bar of scored answers (generation tasks
+    answered by llama.cpp on `base`, as `answering` says)."""
+    from retrograd.evaluation.tasks import evaluate, n_rollouts, open_answerer
 
-    total = sum(n_rollouts(t) for t in tasks) * (1 + len(adapters))
-    with Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("answers"), TimeRemainingColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as progress:
+    total = sum(n_rollouts(t, answering.samples if answering else 1) for t in tasks) * (1 + len(adapters))
+    with open_answerer(base, tasks, answering, tokenizer) as answerer, \
+            Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("answers"), TimeRemainingColumn(),
+                     console=console, transient=True, disable=not console.is_terminal) as progress:
         bar = progress.add_task("eval", total=total)
-        return evaluate(load, adapters, tasks, micro_batch, lambda n: progress.advance(bar, n))
+        return evaluate(load, adapters, tasks, micro_batch, lambda n: progress.advance(bar, n), answerer)
 
 
 def write_results(results, out: Path) -> None:
@@ -84,7 +106,7 @@ def results_table(results, adapters: list[str]) -> Table:
             cells += [f"{result.scores[name].metrics[metric]:.4f}" for name in ("base", *adapters)]
             t.add_row(*cells)
         if adapters:
-            unit = "correct" if result.task.kind == "multiple_choice" else "log-prob/token"
+            unit = {"multiple_choice": "correct", "perplexity": "log-prob/token", "generation": "reward"}[result.task.kind]
             cells = ["", f"Δ per item ({unit}), 95% CI", ""]
             for name in adapters:
                 d = result.differences[name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -61,25 +62,49 @@ def train(
 
 
 def evaluation_tasks(cfg) -> tuple:
-    """[evaluation] tasks, loaded (a malformed record stops the run before it starts)."""
+    """[evaluation] tasks, loaded (a malformed record stops the run before it starts).
+    Generation tasks are scored by the run's own reward, so only grpo and ppo runs take them."""
+    from retrograd.errors import ConfigError
     from retrograd.evaluation.tasks import load_tasks
+    from retrograd.recipes.common import open_chat
 
     ev = cfg.evaluation
-    return tuple(task for path in (ev.tasks if ev and ev.tasks else ()) for task in load_tasks(path))
+    if not (ev and ev.tasks):
+        return ()
+    chat = open_chat(cfg)
+    tasks = tuple(task for path in ev.tasks for task in load_tasks(path, chat))
+    generation = [t.name for t in tasks if t.kind == "generation"]
+    if generation and (cfg.grpo or cfg.ppo) is None:
+        raise ConfigError(f"{cfg.path}: evaluation.tasks: {generation[0]} is a generation task, scored by a reward program, "
+                          f"and a {cfg.run.algorithm} run has none (after the run: retrograd eval --reward-function ...)")
+    return tasks
 
 
 def evaluate_final_adapter(cfg, tasks: tuple, reporter) -> None:
     """`retrograd eval` of the base and the run's adapter on [evaluation] tasks: the paired
     table, and NAME.eval.json beside the output."""
     from retrograd.cli.eval import results_table, run_with_bar, write_results
-    from retrograd.evaluation.tasks import loader
+    from retrograd.evaluation.tasks import Answering, loader
+    from retrograd.recipes.common import open_chat
+    from retrograd.rollouts.rewards import make_reward
     from retrograd.runtime.bundled import default_model_path
     from retrograd.runtime.device import resolve_device
+    from retrograd.sampler import Sampling
     from retrograd.training.metrics import run_record
 
     reporter.message(f"evaluation tasks: {', '.join(t.name for t in tasks)}, base and adapter")
-    load = loader(cfg.model.path or default_model_path(), weights=cfg.model.weights, device=resolve_device(cfg.model.device))
-    results = run_with_bar(reporter.console, load, {"adapter": cfg.output.adapter_path}, tasks, cfg.training.micro_batch)
+    base = cfg.model.path or default_model_path()
+    load = loader(base, weights=cfg.model.weights, device=resolve_device(cfg.model.device))
+    rewarded = cfg.grpo or cfg.ppo  # generation tasks: answered as training sampled, scored by its reward
+    reward = answering = None
+    if rewarded is not None and any(t.kind == "generation" for t in tasks):
+        reward = make_reward(command=rewarded.reward_command, mode=rewarded.reward_mode,
+                             timeout_seconds=rewarded.reward_timeout_seconds, function=rewarded.reward_function)
+        s = rewarded.sampling
+        answering = Answering(reward, Sampling(s.max_new_tokens, s.temperature, s.top_p), seed=s.seed + 1)
+    with reward or contextlib.nullcontext():
+        results = run_with_bar(reporter.console, load, {"adapter": cfg.output.adapter_path}, tasks, cfg.training.micro_batch,
+                               base, answering, open_chat(cfg).tokenizer)
     reporter.console.print(results_table(results, ["adapter"]))
     out = run_record(cfg, "eval.json")
     write_results(results, out)

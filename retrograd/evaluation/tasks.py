@@ -10,7 +10,12 @@ A task is a JSONL file (a folder: each *.jsonl in it, named by stem). Records:
   prompt, packed and computed once.
 - perplexity: {"text"}: every token after the first is scored; the item's score is its mean
   log-prob per token, the task's perplexity exp(total NLL / tokens).
-Each item's score (correct or not, mean log-prob) is paired across models; the difference
+- generation: a prompts file as training reads one ({"prompt"}, or {"messages"} ending with a
+  user turn, optionally then the reference answer, which the reward receives): llama.cpp
+  answers each prompt `samples` times, with the same seeds for every model, and a reward
+  program (the reward protocol, or a Python function) scores the answers; the item's score is
+  its mean reward.
+Each item's score (correct or not, mean log-prob, mean reward) is paired across models; the difference
 adapter - base is resampled over items (BOOTSTRAP_SAMPLES, a fixed seed) for a 95% interval:
 better when it lies above 0, worse below, otherwise no detectable change.
 """
@@ -19,13 +24,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from retrograd.data import ChatFormat, completion_seed, load_prompts
 from retrograd.errors import DataError
+from retrograd.gguf.adapter import read_fitting_adapter
+from retrograd.gguf.file import GGUFFile
 from retrograd.model.tokenizer import Tokenizer
+from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.scoring import Rollout, rollout_logprobs
 
@@ -50,25 +60,33 @@ class Text:
 @dataclass(frozen=True)
 class Task:
     name: str
-    kind: str  # "multiple_choice" | "perplexity"
-    items: tuple  # Choice or Text records
+    kind: str  # "multiple_choice" | "perplexity" | "generation"
+    items: tuple  # Choice, Text or data.Prompt records
 
 
-def load_tasks(path: Path) -> tuple[Task, ...]:
-    """A JSONL file, or every *.jsonl of a folder; each one task of one kind of record."""
+def load_tasks(path: Path, chat: ChatFormat) -> tuple[Task, ...]:
+    """A JSONL file, or every *.jsonl of a folder; each one task of one kind of record.
+    `chat` (the model's tokenizer and template) renders generation prompts."""
     path = Path(path)
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise DataError(f"--tasks {path}: {'no *.jsonl files in this folder' if path.is_dir() else 'no such file'}")
-    return tuple(_task(f) for f in files)
+    return tuple(_task(f, chat) for f in files)
 
 
-def _task(path: Path) -> Task:
+def _task(path: Path, chat: ChatFormat) -> Task:
     items, kinds = [], set()
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    first = next((line for line in lines if line.strip()), None)
+    try:
+        opening = json.loads(first) if first is not None else None
+    except ValueError:
+        opening = None  # reported with its line below
+    if isinstance(opening, dict) and ("prompt" in opening or "messages" in opening):
+        return Task(path.stem, "generation", tuple(load_prompts(path, chat, evaluation=True)))
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -102,8 +120,8 @@ def _item(record, where: str) -> Choice | Text:
         if not (isinstance(record["text"], str) and record["text"].strip()):
             raise DataError(f"{where}: \"text\" must be a non-empty string")
         return Text(record["text"], where)
-    raise DataError(f"{where}: expected a multiple-choice record {{\"question\", \"choices\", \"answer\"}} "
-                    "or a text record {\"text\"}")
+    raise DataError(f"{where}: expected a multiple-choice record {{\"question\", \"choices\", \"answer\"}}, "
+                    "a text record {\"text\"} or a generation record {\"prompt\"} / {\"messages\"}")
 
 
 # ---------------------------------------------------------------- scoring
@@ -171,7 +189,70 @@ def score_task(model, task: Task, micro_batch: int, device, progress: Callable[[
                                       "accuracy (length-normalised)": float(np.mean(normalised))}, detail)
 
 
-def n_rollouts(task: Task) -> int:
+@dataclass(frozen=True)
+class Answering:
+    """How generation tasks are answered and scored: llama.cpp samples `samples` answers per
+    prompt (the same seeds for every model, so the comparison is paired) and `reward` (made
+    by rollouts.rewards.make_reward, entered by the caller) scores them."""
+
+    reward: object
+    sampling: Sampling
+    samples: int = 1
+    seed: int = 0
+
+
+class Answerer:
+    """The llama.cpp sampler on the base, switching adapters, answering generation tasks."""
+
+    def __init__(self, sampler: Sampler, base: Path, answering: Answering, tokenizer: Tokenizer):
+        self.sampler, self.base, self.answering, self.tokenizer = sampler, base, answering, tokenizer
+
+    def score(self, adapter: Path | None, task: Task, progress: Callable[[int], None]) -> Scores:
+        a = self.answering
+        if adapter is None:
+            self.sampler.set_adapter(None)
+        else:
+            loaded = read_fitting_adapter(adapter, GGUFFile(self.base))
+            self.sampler.set_adapter(loaded.tensors, alpha=loaded.alpha)
+        eog, tokenizer = self.sampler.eog_ids, self.tokenizer
+        per_call = max(1, self.sampler.options.n_seq_max // a.samples)
+        rewards, texts = [], []
+        for start in range(0, len(task.items), per_call):
+            chunk = task.items[start : start + per_call]
+            requests = [GroupRequest(p.ids, [completion_seed(a.seed, start + i, j) for j in range(a.samples)], a.sampling)
+                        for i, p in enumerate(chunk)]
+            answers = [tokenizer.decode([t for t in c.tokens if t not in eog], special=False)
+                       for group in self.sampler.generate(requests) for c in group]
+            scored = a.reward.score([p.text for p in chunk for _ in range(a.samples)], answers,
+                                    [p.reference for p in chunk for _ in range(a.samples)])
+            rewards += [scored[i * a.samples : (i + 1) * a.samples] for i in range(len(chunk))]
+            texts += [answers[i * a.samples : (i + 1) * a.samples] for i in range(len(chunk))]
+            progress(len(chunk) * a.samples)
+        means = np.array([np.mean(r) for r in rewards])
+        return Scores(means, {"mean reward": float(means.mean())},
+                      [{"rewards": r, "answers": t} for r, t in zip(rewards, texts)])
+
+
+@contextmanager
+def open_answerer(base: Path, tasks: tuple[Task, ...], answering: Answering | None, tokenizer: Tokenizer, threads: int = 0):
+    """An Answerer when any task is a generation task (None otherwise), closed afterwards."""
+    generation = [t for t in tasks if t.kind == "generation"]
+    if not generation:
+        yield None
+        return
+    if answering is None:
+        raise DataError(f"{generation[0].name}: a generation task needs a reward program to score its answers "
+                        "(retrograd eval --reward-function module:function or --reward-command CMD)")
+    longest = max(len(p.ids) for t in generation for p in t.items)
+    options = SamplerOptions(n_ctx=longest + answering.sampling.max_new_tokens, n_seq_max=max(8, answering.samples),
+                             n_threads=threads)
+    with Sampler(base, options) as sampler:
+        yield Answerer(sampler, base, answering, tokenizer)
+
+
+def n_rollouts(task: Task, samples: int = 1) -> int:
+    if task.kind == "generation":
+        return len(task.items) * samples
     return sum(len(i.choices) for i in task.items) if task.kind == "multiple_choice" else len(task.items)
 
 
@@ -233,13 +314,16 @@ def loader(base: Path, *, weights: str, device) -> Callable:
 
 
 def evaluate(load: Callable, adapters: dict[str, Path], tasks: tuple[Task, ...], micro_batch: int,
-             progress: Callable[[int], None]) -> list[TaskResult]:
+             progress: Callable[[int], None], answerer: Answerer | None = None) -> list[TaskResult]:
     """Each model in turn (`load(adapter_path | None)` -> (BaseModel, device), the base first)
-    over every task, then each adapter's paired differences against the base."""
+    over every task (generation tasks by `answerer`), then each adapter's paired differences
+    against the base."""
     scores: dict[str, list[Scores]] = {}
+    scored_by_torch = any(task.kind != "generation" for task in tasks)
     for name, path in ({"base": None} | adapters).items():
-        model, device = load(path)
-        scores[name] = [score_task(model, task, micro_batch, device, progress) for task in tasks]
+        model, device = load(path) if scored_by_torch else (None, None)
+        scores[name] = [answerer.score(path, task, progress) if task.kind == "generation"
+                        else score_task(model, task, micro_batch, device, progress) for task in tasks]
         del model
     results = []
     for k, task in enumerate(tasks):

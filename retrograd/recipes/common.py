@@ -33,6 +33,8 @@ from retrograd.sampler import GroupRequest, Sampler, SamplerOptions
 from retrograd.training.checkpoint import content_hash, file_fingerprint, latest_checkpoint
 from retrograd.training.distributed import rank_device
 from retrograd.training.report import Reporter
+from retrograd.training.rollout_loop import cut_text
+from retrograd.training.rollout_recipe import Decision
 
 # settings that never change what is computed, left out of the resume signature
 UNSIGNED_TRAINING_KEYS = ("threads", "threads_follow_load", "generation_threads", "max_gpu_duty_cycle", "require_gpu_resident")
@@ -120,11 +122,14 @@ def check_output(cfg: Config) -> None:
 def open_chat(cfg: Config) -> ChatFormat:
     """The tokenizer and chat template alone (no weights): enough to validate data files
     before the model loads."""
-    path = cfg.model.path or default_model_path()
-    spec = read_spec(GGUFFile(path))
-    template = resolve_chat_template(spec.chat_template, cfg.model.chat_template)
     variables = next((sec.template_variables for sec in (cfg.sft, cfg.agent) if sec is not None), {})
-    return ChatFormat(Tokenizer(path), template, variables=variables, origin=str(path))
+    return model_chat(cfg.model.path or default_model_path(), cfg.model.chat_template, variables)
+
+
+def model_chat(path: Path, chat_template: str | None = None, variables: dict | None = None) -> ChatFormat:
+    """The model file's tokenizer and chat template (or `chat_template`: a built-in name or a Jinja file)."""
+    template = resolve_chat_template(read_spec(GGUFFile(path)).chat_template, chat_template)
+    return ChatFormat(Tokenizer(path), template, variables=variables or {}, origin=str(path))
 
 
 @dataclass
@@ -219,6 +224,37 @@ def held_out_rewards(sampler: Sampler, reward, prompts, sampling, seed: int, tex
     requests = [GroupRequest(p.ids, [completion_seed(seed + 1, i, 0)], sampling) for i, p in enumerate(prompts)]
     completions = [group[0] for group in sampler.generate(requests)]
     return reward.score([p.text for p in prompts], [text(c.tokens) for c in completions], [p.reference for p in prompts])
+
+
+def completion_text(tokenizer: Tokenizer, eog: frozenset[int], tokens) -> str:
+    """A sampled completion's text as rewards and records see it: end-of-generation tokens dropped."""
+    return tokenizer.decode([tok for tok in tokens if tok not in eog], special=False)
+
+
+def completion_record(c, group: int, decision: Decision, policy_logprobs: list | None, update: int, cap: int,
+                      **extra) -> dict:
+    """rollouts.jsonl's line for one sampled completion `c` (grpo's or ppo's Completion);
+    `extra` adds a recipe's own fields after the reward."""
+    return {
+        "update": update + 1, "group": group, "prompt": cut_text(c.prompt.text, cap), "source": c.prompt.source,
+        "completion": cut_text(c.text, cap), "tokens": len(c.tokens), "truncated": c.truncated, "reward": c.reward,
+        **extra,
+        "advantage": decision.advantage, "trained": decision.trained, "skip_reason": decision.skip_reason,
+        "prompt_ids": list(c.prompt.ids), "completion_ids": list(c.tokens),
+        "sampler_logprobs": list(c.sampler_logprobs), "policy_logprobs": policy_logprobs,
+    }
+
+
+@dataclass
+class RewardTrend:
+    """The progress table's Δreward: each update's mean reward against the one before."""
+
+    previous: float | None = None
+
+    def delta(self, reward: float) -> float | None:
+        change = None if self.previous is None else reward - self.previous
+        self.previous = reward
+        return change
 
 
 def signature(setup: Setup, data_files: dict[str, Path]) -> dict:

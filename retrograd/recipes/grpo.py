@@ -38,6 +38,9 @@ from retrograd.objectives.advantages import baseline_name, group_advantages
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.objectives.shaping import adapt_kl_multiplier, kl_coefficient, overlong_penalty
 from retrograd.recipes.common import (
+    RewardTrend,
+    completion_record,
+    completion_text,
     held_out_rewards,
     open_chat,
     open_rollout_sampler,
@@ -55,7 +58,6 @@ from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
     RolloutResult,
     Trainer,
-    cut_text,
     make_policy,
     on_rank_zero,
     reward_evaluation,
@@ -129,7 +131,7 @@ class GRPORollouts:
         self.prompts, self.eval_prompts = prompts, eval_prompts
         self.sampling = Sampling(self.g.sampling.max_new_tokens, self.g.sampling.temperature, self.g.sampling.top_p)
         self.eog = sampler.eog_ids if sampler is not None else frozenset()  # None: a torchrun rank that only trains
-        self.previous_reward: float | None = None  # the table's Δreward
+        self.trend = RewardTrend()
 
     def recipe(self) -> RolloutRecipe:
         g = self.g
@@ -251,8 +253,7 @@ class GRPORollouts:
         return metrics | (self.judge.metrics() if isinstance(self.judge, RulerJudge) else {})
 
     def _text(self, tokens) -> str:
-        body = [tok for tok in tokens if tok not in self.eog]
-        return self.tokenizer.decode(body, special=False)
+        return completion_text(self.tokenizer, self.eog, tokens)
 
     def _live(self, groups: list[list[Completion]]) -> torch.Tensor:
         """[groups, G] False where mask_truncated takes a completion out of its group, and in a
@@ -317,20 +318,11 @@ class GRPORollouts:
     # ---------------------------------------------------------------- reporting, evaluation
 
     def record(self, c: Completion, decision: Decision, policy_logprobs: list | None, update: int, cap: int) -> dict:
-        return {
-            "update": update + 1, "group": c.group, "prompt": cut_text(c.prompt.text, cap), "source": c.prompt.source,
-            "completion": cut_text(c.text, cap), "tokens": len(c.tokens), "truncated": c.truncated, "reward": c.reward,
-            "judge_verdict": c.verdict,
-            "advantage": decision.advantage, "trained": decision.trained, "skip_reason": decision.skip_reason,
-            "prompt_ids": list(c.prompt.ids), "completion_ids": list(c.tokens),
-            "sampler_logprobs": list(c.sampler_logprobs), "policy_logprobs": policy_logprobs,
-        }
+        return completion_record(c, c.group, decision, policy_logprobs, update, cap, judge_verdict=c.verdict)
 
     def row(self, m: dict) -> dict:
         reward = m["reward/mean"]
-        delta = None if self.previous_reward is None else reward - self.previous_reward
-        self.previous_reward = reward
-        return {"loss": m.get("policy/total_loss"), "reward": reward, "Δreward": delta, "kl": m.get("policy/kl"),
+        return {"loss": m.get("policy/total_loss"), "reward": reward, "Δreward": self.trend.delta(reward), "kl": m.get("policy/kl"),
                 "clip": m.get("policy/clip_fraction"), "lr": m.get("optimizer/learning_rate"), "tok/s": m["train/tokens_per_second"]}
 
     def evaluate(self, update: int):

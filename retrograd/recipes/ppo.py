@@ -30,6 +30,9 @@ from retrograd.data import Prompt, completion_seed, order_name, prompt_index
 from retrograd.objectives.critic import FEATURE_DTYPES, ValueHead, explained_variance, gae, whiten
 from retrograd.objectives.policy import PolicyLossOptions
 from retrograd.recipes.common import (
+    RewardTrend,
+    completion_record,
+    completion_text,
     held_out_rewards,
     open_chat,
     open_rollout_sampler,
@@ -46,7 +49,6 @@ from retrograd.training.report import Reporter
 from retrograd.training.rollout_loop import (
     RolloutResult,
     Trainer,
-    cut_text,
     make_policy,
     on_rank_zero,
     reward_evaluation,
@@ -109,7 +111,7 @@ class PPORollouts:
         self.prompts, self.eval_prompts = prompts, eval_prompts
         self.sampling = Sampling(self.p.sampling.max_new_tokens, self.p.sampling.temperature, self.p.sampling.top_p)
         self.eog = sampler.eog_ids if sampler is not None else frozenset()  # None: a torchrun rank that only trains
-        self.previous_reward: float | None = None  # the table's Δreward
+        self.trend = RewardTrend()
 
     def recipe(self) -> RolloutRecipe:
         p = self.p
@@ -156,7 +158,7 @@ class PPORollouts:
         return Batch(update, members, cursor + p.rollout_batch_size, metrics)
 
     def _text(self, tokens) -> str:
-        return self.setup.model.tokenizer.decode([tok for tok in tokens if tok not in self.eog], special=False)
+        return completion_text(self.setup.model.tokenizer, self.eog, tokens)
 
     # ---------------------------------------------------------------- advantages
 
@@ -212,19 +214,12 @@ class PPORollouts:
     # ---------------------------------------------------------------- reporting, evaluation
 
     def record(self, c: Completion, decision: Decision, policy_logprobs: list | None, update: int, cap: int) -> dict:
-        return {
-            "update": update + 1, "group": c.position, "prompt": cut_text(c.prompt.text, cap), "source": c.prompt.source,
-            "completion": cut_text(c.text, cap), "tokens": len(c.tokens), "truncated": c.truncated, "reward": c.reward,
-            "advantage": decision.advantage, "trained": decision.trained, "skip_reason": decision.skip_reason,
-            "prompt_ids": list(c.prompt.ids), "completion_ids": list(c.tokens),
-            "sampler_logprobs": list(c.sampler_logprobs), "policy_logprobs": policy_logprobs,
-        }
+        return completion_record(c, c.position, decision, policy_logprobs, update, cap)
 
     def row(self, m: dict) -> dict:
         reward = m["reward/mean"]
-        delta = None if self.previous_reward is None else reward - self.previous_reward
-        self.previous_reward = reward
-        return {"loss": m.get("policy/total_loss"), "reward": reward, "Δreward": delta, "value_loss": m.get("critic/value_loss"),
+        return {"loss": m.get("policy/total_loss"), "reward": reward, "Δreward": self.trend.delta(reward),
+                "value_loss": m.get("critic/value_loss"),
                 "expl_var": m.get("critic/explained_variance"), "clip": m.get("policy/clip_fraction"),
                 "lr": m.get("optimizer/learning_rate"), "tok/s": m["train/tokens_per_second"]}
 
