@@ -234,7 +234,7 @@ class Answerer:
 
 
 @contextmanager
-def open_answerer(base: Path, tasks: tuple[Task, ...], answering: Answering | None, tokenizer: Tokenizer, threads: int = 0):
+def open_answerer(base: Path, tasks: tuple[Task, ...], answering: Answering | None, tokenizer: Tokenizer):
     """An Answerer when any task is a generation task (None otherwise), closed afterwards."""
     generation = [t for t in tasks if t.kind == "generation"]
     if not generation:
@@ -244,8 +244,7 @@ def open_answerer(base: Path, tasks: tuple[Task, ...], answering: Answering | No
         raise DataError(f"{generation[0].name}: a generation task needs a reward program to score its answers "
                         "(retrograd eval --reward-function module:function or --reward-command CMD)")
     longest = max(len(p.ids) for t in generation for p in t.items)
-    options = SamplerOptions(n_ctx=longest + answering.sampling.max_new_tokens, n_seq_max=max(8, answering.samples),
-                             n_threads=threads)
+    options = SamplerOptions(n_ctx=longest + answering.sampling.max_new_tokens, n_seq_max=max(8, answering.samples))
     with Sampler(base, options) as sampler:
         yield Answerer(sampler, base, answering, tokenizer)
 
