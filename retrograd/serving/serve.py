@@ -364,7 +364,7 @@ class ChatReply(_Reply):
         super().__init__(model, generation, "chatcmpl")
         self.calls, self.content, self.streamed = calls, ContentStream(calls), 0
 
-    def _chunk(self, delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
+    def _chunk(self, delta: dict, finish: str | None = None, *, logprobs: list) -> dict:
         carried = self._content(logprobs) if self.generation.settings.logprobs is not None else None
         return self._envelope(
             "chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": carried, "finish_reason": finish}]
