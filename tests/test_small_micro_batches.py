@@ -16,13 +16,21 @@ import retrograd
 from retrograd.config import load_config
 from retrograd.kernels import frozen
 from retrograd.kernels.frozen import keep_dense
+from retrograd.model.activation_memory import merging
 from retrograd.model.lora import attach_lora
 from retrograd.recipes import grpo
 from retrograd.recipes.common import load_base, open_chat
-from retrograd.training.batches import LogprobOptions
+from retrograd.training.batches import LogprobOptions, SharedPrefix
 from retrograd.training.report import SilentReporter
 from retrograd.training.rollout_step import PolicyOptimizer
-from retrograd.training.scoring import Rollout, plan_shared, rollout_logprobs, scored_micro_batches
+from retrograd.training.scoring import (
+    Rollout,
+    micro_batch_logprobs,
+    plan_passes,
+    plan_shared,
+    rollout_logprobs,
+    scored_micro_batches,
+)
 
 
 @pytest.fixture
@@ -178,3 +186,50 @@ def test_reused_forward_and_skipped_reference_give_the_full_computation(tmp_path
     assert full[0]["timing/behavior_scoring_seconds"] > 0 and full[0]["timing/reference_seconds"] > 0
     assert reused[1]["timing/reference_seconds"] > 0  # the adapter moved: the reference is a pass of its own again
     assert reused[1]["policy/kl"] > 0
+
+
+
+def kept_for_backward(adapter, forward) -> int:
+    """Bytes of the tensors `forward()` keeps for its backward (each storage once, the
+    adapter's own parameters not counted), as autograd's saved-tensor hooks see them."""
+    params = {p.untyped_storage().data_ptr() for p in adapter.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(kept.values())
+
+
+def test_merged_passes_keep_no_more_than_the_micro_batches_they_replace(smollm2):
+    """The smoke GRPO shape at micro_batch 8 (two groups of 8 four-token completions of a
+    45-token prompt) on SmolLM2-135M. As configured, a split group's prompt stays computed
+    while 8-token passes of its completions run; merged, one pass over both groups,
+    checkpointed at every layer, keeps its checkpoints and, in backward, one recomputed layer
+    and that layer's gradients. Measured with autograd's hooks, not estimated."""
+    model, adapter = adapted(smollm2)
+    g = torch.Generator().manual_seed(3)
+    samples = [Rollout(group, tuple(range(100 + 45 * group, 145 + 45 * group)), tuple(torch.randint(5, 9000, (4,), generator=g).tolist()))
+               for group in (0, 1) for _ in range(8)]
+    micro_batch = 8
+    passes = plan_passes(samples, micro_batch, merging(model.spec, micro_batch, 4, 4, checkpoint_every=0, checkpoint_bytes=4), 0)
+    assert merging(model.spec, 256, 4, 4, checkpoint_every=0, checkpoint_bytes=4) is None  # large enough as they are
+    assert merging(model.spec, 8, 4, 4, checkpoint_every=4, checkpoint_bytes=4) is None  # checkpointed already: little to gain
+    plain, merged = plan_shared(samples, micro_batch), plan_shared(samples, passes.train)
+    assert passes.checkpoint_every == 1 and (len(plain), len(merged)) == (8, 1), (passes, plain, merged)
+
+    prefix = kept_for_backward(adapter, lambda: SharedPrefix(model, samples[0].prompt, "cpu"))
+    shared = SharedPrefix(model, samples[0].prompt, "cpu")
+    members = max(kept_for_backward(adapter, lambda: micro_batch_logprobs(model, [samples[i] for i in b.rollouts], LogprobOptions(), "cpu", shared))
+                  for b in plain[:1])  # all alike: two completions of 4 tokens
+    everything = [samples[i] for i in merged[0].rollouts]
+    with model.checkpointed(1):
+        checkpoints = kept_for_backward(adapter, lambda: micro_batch_logprobs(model, everything, LogprobOptions(), "cpu"))
+    one_layer = kept_for_backward(adapter, lambda: micro_batch_logprobs(model, everything, LogprobOptions(), "cpu")) / model.spec.n_layer
+    print(f"as configured {(prefix + members) / 2**20:.1f} MiB; merged {checkpoints / 2**20:.1f} MiB + 2 x {one_layer / 2**20:.1f} MiB")
+    assert checkpoints + 2 * one_layer <= prefix + members

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from retrograd.gguf.spec import ModelSpec
 
 
@@ -36,3 +39,50 @@ def activation_bytes(spec: ModelSpec, tokens: int, compute_bytes: int, lora_rank
     per_layer = norms + lora
     ffns = (spec.n_layer - n_moe) * ffn + n_moe * moe_ffn
     return tokens * ((spec.n_layer - n_conv) * (per_layer + qk + attn) + n_conv * (per_layer + conv) + ffns)
+
+
+# Below this many tokens a pass costs mostly what every pass costs (reading every base weight,
+# a few thousand small ops), whatever it holds; above it, the recomputation a checkpointed pass
+# pays outweighs what merging saves.
+SMALL_PASS_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Merging:
+    """How small micro-batches run as fewer, larger passes in the same memory: per token that
+    a pass as configured computes with gradients, a pass checkpointed at every layer may hold
+    `train` tokens, and a pass without gradients `score` tokens."""
+
+    train: float
+    score: float
+
+    def budgets(self, kept_tokens: int) -> tuple[int, int]:
+        """Tokens per merged pass (with, without gradients) where passes as configured would
+        compute at most `kept_tokens` with gradients."""
+        return int(kept_tokens * self.train), int(kept_tokens * self.score)
+
+    def describe(self, micro_batch: int) -> str:
+        return (f"passes: micro-batches of {micro_batch} tokens run merged, {self.train:.1f} times as many tokens per pass with "
+                f"gradients (checkpointed at every layer) and {self.score:.1f} times as many without, in the same activation memory")
+
+
+def merging(spec: ModelSpec, micro_batch: int, compute_bytes: int, lora_rank: int, *, checkpoint_every: int,
+            checkpoint_bytes: int) -> Merging | None:
+    """Merging for micro-batches of fewer than SMALL_PASS_TOKENS tokens, or None. The memory a
+    pass with gradients takes at its peak, per token: as configured without checkpointing, every
+    layer's activations and one layer's gradients in backward; checkpointed every k layers, one
+    float per width per k layers and, in backward, k recomputed layers and one layer's gradients
+    (at every layer: 9 times fewer bytes per token than none, for SmolLM2-135M); without
+    gradients, about one layer's activations. A GRPO update at micro_batch 8 made ten passes
+    per step, each paying for reading every weight."""
+    if micro_batch >= SMALL_PASS_TOKENS:
+        return None
+    per_layer = activation_bytes(spec, 1, compute_bytes, lora_rank) / spec.n_layer  # one token, one layer
+
+    def peak(every: int) -> float:
+        if not every:
+            return (spec.n_layer + 1) * per_layer
+        return math.ceil(spec.n_layer / every) * spec.n_embd * checkpoint_bytes + (every + 1) * per_layer
+
+    train = peak(checkpoint_every) / peak(1)
+    return Merging(train, peak(checkpoint_every) / per_layer) if train >= 2 else None

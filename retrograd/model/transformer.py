@@ -20,6 +20,8 @@ Layout), H query heads, K kv heads, D head size, E n_embd, P tokens of a past pr
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -440,6 +442,16 @@ class Transformer(nn.Module):
             if isinstance(m, FrozenLinear):
                 m.weight = m.weight.to(device)
         return self.to(device)
+
+    @contextmanager
+    def checkpointed(self, every: int) -> Iterator[None]:
+        """Passes with gradients in this scope keep every `every`-th block input (0: all of
+        their activations), in checkpoint_dtype."""
+        before, self.checkpoint_every = self.checkpoint_every, every
+        try:
+            yield
+        finally:
+            self.checkpoint_every = before
 
     def frozen_weights(self) -> list[FrozenWeight]:
         """Every base matrix once (a tied head is the embedding)."""

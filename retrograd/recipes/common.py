@@ -22,6 +22,7 @@ from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.merge import check_out, merge
 from retrograd.gguf.spec import read_spec
 from retrograd.kernels.frozen import dense_budget, keep_dense
+from retrograd.model.activation_memory import Merging, merging
 from retrograd.model.base import BaseModel, load_model
 from retrograd.model.lora import Adapter, attach_lora
 from retrograd.model.tokenizer import Tokenizer
@@ -77,6 +78,16 @@ class Setup:
         one dequantization. The same bits as dequantizing per use."""
         t = self.model.transformer
         return keep_dense(t.frozen_weights(), t.compute_dtype, dense_budget(self.device).nbytes)
+
+    def merging(self, spread: bool = False) -> Merging | None:
+        """How a step's small micro-batches merge into fewer passes in the same memory
+        (activation_memory.merging); None under torchrun (`spread`), whose ranks deal out the
+        micro-batches."""
+        t, transformer = self.cfg.training, self.model.transformer
+        if spread:
+            return None
+        return merging(self.model.spec, t.micro_batch, transformer.compute_dtype.itemsize, self.cfg.lora.rank,
+                       checkpoint_every=transformer.checkpoint_every, checkpoint_bytes=transformer.checkpoint_dtype.itemsize)
 
     @property
     def base_shapes(self) -> dict[str, tuple[int, ...]]:

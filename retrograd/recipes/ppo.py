@@ -195,7 +195,7 @@ class PPORollouts:
         after fitting it toward A + V, and the critic's metrics."""
         critic = self.p.critic
         rollouts = [Rollout(k, c.prompt.ids, c.tokens) for k, c in enumerate(completions)]
-        features = rollout_features(self.setup.model.transformer, rollouts, self.policy.micro_batch, self.setup.device)
+        features = rollout_features(self.setup.model.transformer, rollouts, self.policy.passes(rollouts).score, self.setup.device)
         features = torch.cat(features).to("cpu", FEATURE_DTYPES[critic.feature_dtype])  # [N, E]
         head = (ValueHead(features.shape[1], critic.value_lr) if saved is None
                 else ValueHead.from_state(saved, critic.value_lr))

@@ -109,8 +109,9 @@ def make_policy(cfg, setup, loss_options, *, updates: int, steps_per_update: int
     schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, updates * steps_per_update, t.max_grad_norm, updates)
     duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)
     options = LogprobOptions.from_training(t, setup.model.spec.n_vocab, temperature)
-    policy = PolicyOptimizer(setup, optimizer, loss_options, schedule, options, duty, t.micro_batch, cfg.lora.seed)
-    policy.ranks = init_ranks(setup.device)
+    policy = PolicyOptimizer(setup, optimizer, loss_options, schedule, options, duty, t.micro_batch, cfg.lora.seed, init_ranks(setup.device))
+    if policy.merging is not None:
+        reporter.message(policy.merging.describe(t.micro_batch))
     return policy
 
 

@@ -28,7 +28,7 @@ from retrograd.training.batches import LogprobOptions
 from retrograd.training.distributed import Ranks
 from retrograd.training.duty_cycle import DutyCycle
 from retrograd.training.optim import Schedule, clip_gradients
-from retrograd.training.scoring import Rollout, plan_shared, rollout_logprobs, scored_micro_batches
+from retrograd.training.scoring import Passes, Rollout, plan_passes, plan_shared, rollout_logprobs, scored_micro_batches
 from retrograd.training.timeline import PhaseClock
 
 KL_DIVERGENCE_LIMIT = 50.0  # retrograd's divergence guard, on policy/kl (nats per token)
@@ -64,12 +64,12 @@ class PolicyOptimizer:
     reuse_first_forward = True  # False: a behaviour pass and a reference pass every update (tests compare)
 
     def __init__(self, setup, optimizer: torch.optim.Optimizer, loss_options: PolicyLossOptions, schedule: Schedule,
-                 logprob_options: LogprobOptions, duty: DutyCycle, micro_batch: int, seed: int):
+                 logprob_options: LogprobOptions, duty: DutyCycle, micro_batch: int, seed: int, ranks: Ranks = Ranks()):
         self.setup, self.optimizer, self.loss_options = setup, optimizer, loss_options
         self.schedule, self.options, self.duty = schedule, logprob_options, duty
-        self.micro_batch, self.seed = micro_batch, seed
+        self.micro_batch, self.seed, self.ranks = micro_batch, seed, ranks
+        self.merging = setup.merging(ranks.spread)
         self.params = setup.adapter.parameters()
-        self.ranks = Ranks()  # torchrun: set by make_policy
         self.global_step = 0
         self.total_steps = schedule.total_steps  # re-planned at every update (Schedule.total_from)
 
@@ -91,12 +91,13 @@ class PolicyOptimizer:
         # log-probs before any step: the first step's forward fills in its own samples
         old: list[torch.Tensor | None] = [None] * len(samples)
         parts, per_step = [], []
+        passes = self.passes(rollouts)
         with self.setup.keep_weights_dense() as kept:
             if kept.wanted:
                 self.setup.detail(f"update {update + 1}: {kept.describe()}")
             later = sorted(set(range(len(samples))) - set(steps[0])) if self.reuse_first_forward else list(range(len(samples)))
             if len(steps) > 1 and later:
-                for i, logp in zip(later, self._score([rollouts[i] for i in later], timing, "behavior_scoring")):
+                for i, logp in zip(later, self._score([rollouts[i] for i in later], passes, timing, "behavior_scoring")):
                     old[i] = logp
             ref = None
             if beta > 0:
@@ -104,10 +105,10 @@ class PolicyOptimizer:
                     ref = old  # the reference is the behaviour policy; filled in as `old` is
                 else:
                     with self.setup.adapter.disabled():
-                        ref = self._score(rollouts, timing, "reference")
+                        ref = self._score(rollouts, passes, timing, "reference")
             with timing.phase("optimizer"):
                 for idx in steps:
-                    step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens)
+                    step_parts = self._step(model, samples, idx, passes, old, ref, beta, budget_tokens)
                     parts.extend(step_parts)
                     per_step.append(merge_diagnostics(step_parts))
 
@@ -128,20 +129,23 @@ class PolicyOptimizer:
             )
         return UpdateResult(merged, per_step, before)
 
-    def _score(self, rollouts, timing: PhaseClock, phase: str) -> list[torch.Tensor]:
+    def passes(self, rollouts: list[Rollout]) -> Passes:
+        return plan_passes(rollouts, self.micro_batch, self.merging, self.setup.model.transformer.checkpoint_every)
+
+    def _score(self, rollouts, passes: Passes, timing: PhaseClock, phase: str) -> list[torch.Tensor]:
         """Log-probs without gradients; under torchrun each rank scores its share."""
         mine = self.ranks.share(rollouts)
         self.setup.cpu.adjust()
         with timing.phase(phase), self.duty.burst():
             scored = rollout_logprobs(self.setup.model.transformer, [rollouts[i] for i in mine], self.options,
-                                      self.micro_batch, self.setup.device)
+                                      passes.score, self.setup.device)
         out: list[torch.Tensor | None] = [None] * len(rollouts)
         for share in self.ranks.gather(dict(zip(mine, scored))):
             for i, logp in share.items():
                 out[i] = logp.to(self.setup.device)
         return out
 
-    def _step(self, model, samples, idx, old, ref, beta, budget_tokens) -> list[dict]:
+    def _step(self, model, samples, idx, passes: Passes, old, ref, beta, budget_tokens) -> list[dict]:
         """One optimizer step on samples `idx`. A sample whose `old` log-probs are still
         unknown is in the update's first step: this forward is the policy as it sampled, so
         it fills them in (and `ref`'s, when that is the same list)."""
@@ -150,13 +154,13 @@ class PolicyOptimizer:
         counts = MinibatchCounts(len(idx), sum(samples[i].n_scored for i in idx), budget_tokens)
         parts = []
         rollouts = [samples[i].rollout for i in idx]
-        micro_batches = plan_shared(rollouts, self.micro_batch)
+        micro_batches = plan_shared(rollouts, passes.train)
         mine = [micro_batches[k] for k in self.ranks.share(micro_batches)]  # all of them on one rank
-        passes = scored_micro_batches(model, rollouts, mine, self.options, self.setup.device)
+        scored = scored_micro_batches(model, rollouts, mine, self.options, self.setup.device)
         filled: dict[int, torch.Tensor] = {}
-        with self.duty.burst():
+        with self.duty.burst(), model.checkpointed(passes.checkpoint_every):
             t0 = time.perf_counter()
-            for k, (micro, logp, mask) in enumerate(passes):
+            for k, (micro, logp, mask) in enumerate(scored):
                 chosen = [idx[j] for j in micro.rollouts]
                 for row, i in enumerate(chosen):
                     if old[i] is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from retrograd.data import TokenSequence
+from retrograd.model.activation_memory import Merging
 from retrograd.model.transformer import Transformer
 from retrograd.training.batches import Group, LogprobOptions, SharedPrefix, batch_hidden, batch_logprobs, pack
 
@@ -94,6 +95,34 @@ def plan_shared(rollouts: Sequence[Rollout], budget: int) -> list[MicroBatch]:
     if current:
         batches.append(MicroBatch(current))
     return batches
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Tokens per pass in an update: `train` with gradients (checkpointed every
+    `checkpoint_every` layers, 0: not at all), `score` without."""
+
+    train: int
+    score: int
+    checkpoint_every: int
+
+
+def plan_passes(rollouts: Sequence[Rollout], micro_batch: int, merging: Merging | None, checkpoint_every: int) -> Passes:
+    """How an update's `rollouts` are split into passes: micro-batches of `micro_batch` tokens,
+    or, where those are small (`merging`), merged passes that keep no more than the largest of
+    them would."""
+    if merging is None:
+        return Passes(micro_batch, micro_batch, checkpoint_every)
+    kept = max(batch_tokens(rollouts, batch) for batch in plan_shared(rollouts, micro_batch))
+    return Passes(*merging.budgets(kept), 1)
+
+
+def batch_tokens(rollouts: Sequence[Rollout], batch: MicroBatch) -> int:
+    """Tokens whose activations a pass over `batch` keeps: each group's prompt once and the
+    members' tokens; a split group's prompt is computed once but kept while each of its
+    micro-batches runs, so it counts with each."""
+    members = [rollouts[i] for i in batch.rollouts]
+    return sum(len(r.tokens) for r in members) + sum(len(r.prompt) for r in {r.group: r for r in members}.values())
 
 
 def scored_micro_batches(

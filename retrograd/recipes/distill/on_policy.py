@@ -227,10 +227,11 @@ class OnPolicyRollouts:
         d, setup, policy = self.d, self.setup, self.policy
         model = setup.model.transformer
         rollouts = [s.rollout for s in samples]
+        passes = policy.passes(rollouts)
         ref = None
         if beta > 0:
             with clock.phase("reference"), setup.adapter.disabled():
-                ref = rollout_logprobs(model, rollouts, policy.options, policy.micro_batch, setup.device)
+                ref = rollout_logprobs(model, rollouts, policy.options, passes.score, setup.device)
         denominator = len(samples) * d.sampling.max_new_tokens
         n_tokens = sum(len(r.tokens) for r in rollouts)
         total = policy.schedule.total_from(update, policy.global_step, d.distill_epochs)
@@ -240,8 +241,8 @@ class OnPolicyRollouts:
             for epoch in range(d.distill_epochs):
                 lr = policy.schedule.apply(policy.optimizer, policy.global_step, total)
                 step = dict.fromkeys(("distill/jsd", "train/loss") + (("policy/kl",) if ref is not None else ()), 0.0)
-                with policy.duty.burst():
-                    for micro in plan(rollouts, policy.micro_batch):
+                with policy.duty.burst(), model.checkpointed(passes.checkpoint_every):
+                    for micro in plan(rollouts, passes.train):
                         batch, order = pack_rollouts([rollouts[i] for i in micro], setup.device)
                         chosen = [micro[k] for k in order]  # sample indices in packed order
                         teacher = [samples[i].teacher for i in chosen]
