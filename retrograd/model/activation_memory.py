@@ -41,17 +41,22 @@ def activation_bytes(spec: ModelSpec, tokens: int, compute_bytes: int, lora_rank
     return tokens * ((spec.n_layer - n_conv) * (per_layer + qk + attn) + n_conv * (per_layer + conv) + ffns)
 
 
-# Below this many tokens a pass costs mostly what every pass costs (reading every base weight,
-# a few thousand small ops), whatever it holds; above it, the recomputation a checkpointed pass
-# pays outweighs what merging saves.
-SMALL_PASS_TOKENS = 256
+# Merged passes hold at most this many tokens. Below it a pass costs mostly what every pass
+# costs (reading every base weight, a few thousand small ops), whatever it holds. Above it the
+# process's memory grows with the pass: glibc's allocator keeps about a pass's worth of freed
+# blocks (SmolLM2, 2 threads: a 512-token pass checkpointed at every layer peaks at 1.52 GiB RSS
+# and 0.60 GiB live, measured with MALLOC_MMAP_THRESHOLD_=65536; a 128-token pass without
+# checkpoints peaks at 0.96 and 0.68 GiB), so larger merged passes would undo what a smaller
+# micro_batch is for.
+MERGED_PASS_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class Merging:
-    """How small micro-batches run as fewer, larger passes in the same memory: per token that
-    a pass as configured computes with gradients, a pass checkpointed at every layer may hold
-    `train` tokens, and a pass without gradients `score` tokens."""
+    """How small micro-batches run as fewer, larger passes: per token that a pass as
+    configured computes with gradients, a pass checkpointed at every layer may hold `train`
+    tokens in the same activation memory, and a pass without gradients `score` tokens; neither
+    more than MERGED_PASS_TOKENS."""
 
     train: float
     score: float
@@ -59,23 +64,23 @@ class Merging:
     def budgets(self, kept_tokens: int) -> tuple[int, int]:
         """Tokens per merged pass (with, without gradients) where passes as configured would
         compute at most `kept_tokens` with gradients."""
-        return int(kept_tokens * self.train), int(kept_tokens * self.score)
+        return tuple(max(kept_tokens, min(int(kept_tokens * factor), MERGED_PASS_TOKENS)) for factor in (self.train, self.score))
 
     def describe(self, micro_batch: int) -> str:
-        return (f"passes: micro-batches of {micro_batch} tokens run merged, {self.train:.1f} times as many tokens per pass with "
-                f"gradients (checkpointed at every layer) and {self.score:.1f} times as many without, in the same activation memory")
+        return (f"passes: micro-batches of {micro_batch} tokens run merged, up to {MERGED_PASS_TOKENS} tokens per pass "
+                f"(checkpointed at every layer when training) in the same activation memory")
 
 
 def merging(spec: ModelSpec, micro_batch: int, compute_bytes: int, lora_rank: int, *, checkpoint_every: int,
             checkpoint_bytes: int) -> Merging | None:
-    """Merging for micro-batches of fewer than SMALL_PASS_TOKENS tokens, or None. The memory a
+    """Merging for micro-batches of at most half MERGED_PASS_TOKENS, or None. The memory a
     pass with gradients takes at its peak, per token: as configured without checkpointing, every
     layer's activations and one layer's gradients in backward; checkpointed every k layers, one
     float per width per k layers and, in backward, k recomputed layers and one layer's gradients
     (at every layer: 9 times fewer bytes per token than none, for SmolLM2-135M); without
     gradients, about one layer's activations. A GRPO update at micro_batch 8 made ten passes
     per step, each paying for reading every weight."""
-    if micro_batch >= SMALL_PASS_TOKENS:
+    if 2 * micro_batch > MERGED_PASS_TOKENS:
         return None
     per_layer = activation_bytes(spec, 1, compute_bytes, lora_rank) / spec.n_layer  # one token, one layer
 

@@ -14,8 +14,7 @@ packed into micro-batches and optimizer steps) and the held-out mean loss.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +22,6 @@ import torch
 
 from retrograd.data import TokenSequence
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, TOKEN_CHUNK, VOCAB_TILE
-from retrograd.model.activation_memory import Merging
 from retrograd.model.transformer import Layout, Past, Transformer
 
 
@@ -177,23 +175,6 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
-
-
-def merge_micro_batches(micro_batches: list[list[int]], lengths: Sequence[int] | Mapping[int, int],
-                        merging: Merging | None) -> list[list[int]]:
-    """A step's micro-batches (item indices; `lengths[i]` tokens each) as the passes that run
-    them: as they are, or with `merging` repacked in order into fewer passes that keep no more
-    than the largest of them, to run inside merged_passes."""
-    if merging is None:
-        return micro_batches
-    items = [i for mb in micro_batches for i in mb]
-    budget, _ = merging.budgets(max(sum(lengths[i] for i in mb) for mb in micro_batches))
-    return [[items[j] for j in mb] for mb in plan_micro_batches([lengths[i] for i in items], budget)]
-
-
-def merged_passes(model: Transformer, merging: Merging | None):
-    """The scope of a step's passes: checkpointed at every layer when they are merged."""
-    return model.checkpointed(1) if merging is not None else nullcontext()
 
 
 def batch_hidden(model: Transformer, batch: PackedBatch) -> torch.Tensor:
