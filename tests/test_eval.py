@@ -127,6 +127,16 @@ def test_the_command_compares_base_and_adapters(tmp_path, tiny_model):
         '{"question", "choices", "answer"}, a text record {"text"} or a generation record {"prompt"} / {"messages"}', r.stderr
 
 
+def evaluation_table(page: str) -> list[list[str]]:
+    """The cells of the report's evaluation table, row by row, as text."""
+    import html
+    import re
+
+    table = page.split('<table id="evaluation">')[1].split("</table>")[0]
+    return [[" ".join(html.unescape(re.sub(r"<[^>]+>", "", cell)).split()) for cell in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
+            for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)]
+
+
 def eval_generation(tmp_path, base, *args) -> subprocess.CompletedProcess:
     (tmp_path / "rewards.py").write_text(REWARDS)
     return subprocess.run([*RETROGRAD, "eval", "--model", str(base), "--tasks", str(write(tmp_path / "gen.jsonl", PROMPTS)),
@@ -196,6 +206,25 @@ tasks = ["mc.jsonl"]
     assert "evaluation tasks: mc, base and adapter" in r.stdout and "95% CI" in r.stdout
     results = json.loads((tmp_path / "out/run.eval.json").read_text())
     assert set(results["mc"]["metrics"]) == {"base", "adapter"}
+    d = results["mc"]["differences"]["adapter"]
+    table = evaluation_table((tmp_path / "out/run.report.html").read_text())  # the report shows the paired table
+    assert table[0] == ["task", "metric", "base", "adapter"]
+    first = next(iter(results["mc"]["metrics"]["base"]))
+    assert table[1] == ["mc (multiple_choice, 2 items)", first, *(f"{results['mc']['metrics'][m][first]:.4f}" for m in ("base", "adapter"))]
+    assert table[-1] == ["", "Δ, 95% interval", "", f"{d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}] {d['verdict']}"]
+
+    # retrograd eval --run adds other tasks to the run's report (the adapter named by its file)
+    write(tmp_path / "text.jsonl", TEXTS)
+    r = subprocess.run([*RETROGRAD, "eval", "--model", str(tiny_model("llama")), "--adapter", str(tmp_path / "out/run.gguf"),
+                        "--tasks", str(tmp_path / "text.jsonl"), "--run", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"report: {tmp_path / 'out/run.report.html'}" in r.stdout
+    table = evaluation_table((tmp_path / "out/run.report.html").read_text())
+    assert table[0] == ["task", "metric", "base", "run"] and table[1][0] == "text (perplexity, 2 items)"
+    r = subprocess.run([*RETROGRAD, "eval", "--model", str(tiny_model("llama")), "--tasks", str(tmp_path / "text.jsonl"),
+                        "--run", str(tmp_path / "nowhere")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {tmp_path / 'nowhere'}: no such file or folder") \
+        and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
     write(tmp_path / "mc.jsonl", [MC[0], {"question": "q", "choices": ["a", "b"], "answer": 7}])
     r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
@@ -250,3 +279,20 @@ tasks = ["gen.jsonl"]
     for item in result["per_item"]:
         assert len(item["adapter"]["answers"]) == 1
         assert item["adapter"]["rewards"] == [float(len(a)) for a in item["adapter"]["answers"]]
+
+
+def test_the_reports_evaluation_table_leaves_out_what_eval_does_not_write(tmp_path):
+    from retrograd.reports.run_report import evaluation_rows
+
+    good = {"kind": "perplexity", "items": 2, "metrics": {"base": {"perplexity": 9.5}, "run": {"perplexity": 8.25}},
+            "differences": {"run": {"mean": 0.1, "low": -0.2, "high": 0.4, "verdict": "no detectable change"}}}
+    path = tmp_path / "run.eval.json"
+    path.write_text(json.dumps({"text": good, "nan": good | {"metrics": {"base": {"perplexity": "9"}, "run": {"perplexity": 1}}},
+                                "other models": good | {"metrics": {"base": {"perplexity": 9}, "x": {"perplexity": 1}}, "differences": {}},
+                                "unknown adapter": good | {"differences": {"y": good["differences"]["run"]}}}))
+    rows, skipped = evaluation_rows(path)
+    assert [r["task"] for r in rows] == ["text"] and skipped == 3
+    assert rows[0]["models"] == ["base", "run"] and rows[0]["metrics"] == [{"name": "perplexity", "values": [9.5, 8.25]}]
+    path.write_text('{"text": ')  # cut short
+    assert evaluation_rows(path) == ([], 1)
+    assert evaluation_rows(tmp_path / "none.json") == ([], 0)

@@ -29,6 +29,7 @@ def eval_command(
     weights: WeightsOpt = "auto",
     micro_batch: Annotated[int, typer.Option("--micro-batch", min=16, help="Tokens per forward pass.")] = 2048,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results (per task, model and item) as JSON.")] = None,
+    run: Annotated[Optional[Path], typer.Option("--run", help="Also show the results in this run's report (its config .toml, output .gguf or records folder): written as its NAME.eval.json, replacing an earlier evaluation, and NAME.report.html rewritten.")] = None,
     reward_function: Annotated[Optional[str], typer.Option("--reward-function", help="Generation tasks: score answers with this Python function (module:function or file.py:function).")] = None,
     reward_command: Annotated[Optional[str], typer.Option("--reward-command", help="Generation tasks: score answers with this program over the reward protocol (a command line).")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation tasks: the longest answer.")] = 128,
@@ -43,11 +44,13 @@ def eval_command(
 
     from retrograd.evaluation.tasks import Answering, load_tasks, loader
     from retrograd.recipes.common import model_chat
+    from retrograd.reports.run_report import RunReport, locate
     from retrograd.rollouts.rewards import make_reward
     from retrograd.runtime.bundled import default_model_path
     from retrograd.runtime.device import resolve_device
     from retrograd.sampler import Sampling
 
+    files = locate(run) if run is not None else None  # a run that is not one stops before any scoring
     base = model or default_model_path()
     chat = model_chat(base)
     loaded = load_tasks(tasks, chat)
@@ -73,6 +76,9 @@ def eval_command(
     if out is not None:
         write_results(results, out)
         console.print(f"results: {out}", markup=False)
+    if files is not None:
+        write_results(results, files.evaluation)
+        console.print(f"results: {files.evaluation}\nreport: {RunReport(files).write()}", markup=False)
 
 
 def run_with_bar(console: Console, load, adapters: dict[str, Path], tasks, micro_batch: int, base: Path,

@@ -92,6 +92,18 @@ turns (synchronously), so no rollout is abandoned and no update waits for one.</
 {% endfor %}</tbody></table>
 {% endif %}
 
+{% if evaluation %}
+<h2>Evaluation</h2>
+<p class="note">From <code>{{ evaluation_file }}</code> (<code>retrograd eval</code>): the base and each adapter on the same items;
+Δ is the adapter's mean difference per item with its 95% paired bootstrap interval.</p>
+<table id="evaluation"><thead><tr><th>task</th><th>metric</th>{% for m in evaluation[0].models %}<th>{{ m }}</th>{% endfor %}</tr></thead>
+<tbody>{% for t in evaluation %}{% for metric in t.metrics %}<tr><td>{% if loop.first %}{{ t.task }}{% if t.kind %} ({{ t.kind }}{% if t["items"] is not none %}, {{ t["items"] }} items{% endif %}){% endif %}{% endif %}</td>
+<td>{{ metric.name }}</td>{% for v in metric["values"] %}<td class="num">{{ '%.4f' % v }}</td>{% endfor %}</tr>{% endfor %}
+{% if t.differences %}<tr><td></td><td>Δ, 95% interval</td><td></td>{% for d in t.differences %}<td class="num">{% if d is none %}-{% else %}{{ '%+.4f' % d.mean }}
+[{{ '%+.4f' % d.low }}, {{ '%+.4f' % d.high }}] <span class="{{ {'better': 'yes', 'worse': 'error'}.get(d.verdict, 'note') }}">{{ d.verdict }}</span>{% endif %}</td>{% endfor %}</tr>{% endif %}
+{% endfor %}</tbody></table>
+{% endif %}
+
 <h2>Checkpoints</h2>
 {% if checkpoints %}<table><thead><tr><th>checkpoint</th><th>step</th><th>update</th><th>best evaluation</th><th>written</th></tr></thead><tbody>
 {% for c in checkpoints %}<tr><td><code>{{ c.path }}</code></td><td class="num">{{ c.step }}</td><td class="num">{{ '-' if c['update'] is none else c['update'] }}</td>

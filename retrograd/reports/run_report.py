@@ -4,9 +4,9 @@ A run whose output is NAME.gguf writes NAME.metrics.jsonl beside it (one record 
 update, plus evaluation records); rollout runs (grpo, agent_grpo, on-policy distill) also
 write NAME.rollouts.jsonl there (or in [observe].directory), and checkpoints go to
 [checkpoint].directory. The page (NAME.report.html beside the metrics) draws the curves
-those records hold, for rollout runs a timeline of each update's phases and the counters
-that explain throughput, and a browser of the rollouts. plotly.js is embedded, so the page
-opens without a network. Rollout text is model output, never trusted: it reaches the page
+those records hold, for rollout runs a timeline of each update's phases, the counters that
+explain throughput and a browser of the rollouts, and after `retrograd eval` its paired table
+(NAME.eval.json). plotly.js is embedded, so the page opens without a network. Rollout text is model output, never trusted: it reaches the page
 only through Jinja's autoescaping; a line of a record file that is not as retrograd writes
 it is left out, and the page says how many were.
 """
@@ -73,6 +73,12 @@ class RunFiles:
     def report(self) -> Path:
         """Where the page goes unless told: NAME.report.html beside the metrics."""
         return self.run.with_name(f"{self.run.name}.report.html")
+
+    @property
+    def evaluation(self) -> Path:
+        """NAME.eval.json: `retrograd eval` of the base and the run's adapter ([evaluation] tasks
+        after the run, or `retrograd eval --run`)."""
+        return self.run.with_name(f"{self.run.name}.eval.json")
 
 
 def locate(run: Path) -> RunFiles:
@@ -434,6 +440,47 @@ def checkpoint_rows(directory: Path | None) -> tuple[list[dict], int]:
     return rows, skipped
 
 
+def evaluation_rows(path: Path) -> tuple[list[dict], int]:
+    """The paired table of NAME.eval.json (cli.eval.write_results): per task, each metric of each
+    model and each adapter's difference with the base, and how many tasks were left out as not
+    as retrograd writes them (the file is written whole, so a damaged one is left out whole)."""
+    if not path.is_file():
+        return [], 0
+    try:
+        results = parse_record(path.read_bytes())
+    except OSError:
+        results = None
+    if results is None:
+        return [], 1
+    rows, skipped = [], 0
+    for name, result in results.items():
+        row = _evaluation_row(str(name), result)
+        if row is None or (rows and row["models"] != rows[0]["models"]):  # one table: the same models throughout
+            skipped += 1
+        else:
+            rows.append(row)
+    return rows, skipped
+
+
+def _evaluation_row(task: str, result) -> dict | None:
+    metrics = result.get("metrics") if isinstance(result, dict) else None
+    differences = result.get("differences", {}) if isinstance(result, dict) else None
+    if not (isinstance(metrics, dict) and isinstance(metrics.get("base"), dict) and isinstance(differences, dict)):
+        return None
+    models = ["base", *(m for m in metrics if m != "base")]
+    names = list(metrics["base"])
+    if not all(isinstance(metrics[m], dict) and all(_is_number(metrics[m].get(n)) for n in names) for m in models):
+        return None
+    kept = {}
+    for model, d in differences.items():
+        if model not in metrics or not isinstance(d, dict) or not all(_is_number(d.get(k)) for k in ("mean", "low", "high")):
+            return None
+        kept[model] = {"mean": d["mean"], "low": d["low"], "high": d["high"], "verdict": _cut(d.get("verdict"))}
+    return {"task": task, "kind": _cut(result.get("kind")), "items": _number(result.get("items")), "models": models,
+            "metrics": [{"name": _cut(n), "values": [metrics[m][n] for m in models]} for n in names],
+            "differences": [kept.get(m) for m in models[1:]]}
+
+
 def algorithm_of(files: RunFiles, updates: list[dict], rollouts: list[dict]) -> str:
     if files.algorithm:
         return files.algorithm
@@ -468,10 +515,12 @@ class RunReport:
         updates = update_records(records)
         rollouts = self.rollouts.read() if updates else []  # a run without updates sampled nothing
         checkpoints, bad_checkpoints = checkpoint_rows(files.checkpoints)
+        evaluation, bad_tasks = evaluation_rows(files.evaluation)
         self.skipped = [f"{n} {what}" for n, what in (
             (bad_metrics, f"line{'s' * (bad_metrics != 1)} of {files.metrics}"),
             (self.rollouts.skipped if updates else 0, f"line{'s' * (self.rollouts.skipped != 1)} of {files.rollouts}"),
             (bad_checkpoints, f"checkpoint{'s' * (bad_checkpoints != 1)} (progress.json)"),
+            (bad_tasks, f"evaluation task{'s' * (bad_tasks != 1)} of {files.evaluation}"),
         ) if n]
         page = render(
             run=str(files.run),
@@ -490,6 +539,8 @@ class RunReport:
             rows_cap=ROLLOUT_ROWS_CAP,
             text_cap=TEXT_CAP,
             checkpoints=checkpoints,
+            evaluation=evaluation,
+            evaluation_file=str(files.evaluation),
         )
         out = out or files.report
         out.parent.mkdir(parents=True, exist_ok=True)
