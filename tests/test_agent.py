@@ -299,7 +299,7 @@ min_idle = 1
 {_toml_tools()}
 """)
     cfg = load_config(tmp_path / "agent.toml")
-    task = open_task(cfg)
+    task = open_task(cfg, SilentReporter())
     scripts = [[call("read_file", path="notes.txt"), call("write_file", path="answer.txt", content="42"), "done"],
                [call("write_file", path="answer.txt", content="41"), call("score"), "done"],
                [call("bash", command="echo hi"), "ok"]]

@@ -25,7 +25,7 @@ from retrograd.recipes import agent_grpo
 from retrograd.recipes.agent_grpo import open_task, train
 from retrograd.recipes.common import prepare
 from retrograd.rollouts.http_env import EnvironmentBroken, HttpEnvironment, HttpEnvironmentOptions, HttpEpisode
-from retrograd.rollouts.mcp_tools import McpServers, server_options
+from retrograd.rollouts.mcp_tools import McpServerError, McpServers, server_options
 from retrograd.rollouts.scenarios import Scenario
 from retrograd.rollouts.tools import ToolCatalog
 from retrograd.training.report import SilentReporter
@@ -228,6 +228,11 @@ def oops() -> str:
     raise ValueError("no")
 
 @app.tool()
+def getenv(name: str) -> str:
+    """A variable of the server's environment."""
+    return os.environ.get(name, "unset")
+
+@app.tool()
 def hang() -> str:
     """Never answers."""
     time.sleep(3600)
@@ -257,7 +262,7 @@ def test_mcp_server_tools_are_listed_filtered_called_and_a_dead_server_restarts(
     options = server_options([lab(tmp_path, mcp_script, denied_tools=["o*"], tool_timeout_secs=1)], None, tmp_path)
     servers = McpServers(options)
     try:
-        assert [tool.name for tool in servers.tools] == ["add", "hang", "crash"]  # deny wins over the default "*"
+        assert [tool.name for tool in servers.tools] == ["add", "getenv", "hang", "crash"]  # deny wins over the default "*"
         tools = {tool.name: tool for tool in servers.tools}
         spec = tools["add"].spec()["function"]
         assert spec["description"] == "Add two integers." and set(spec["parameters"]["properties"]) == {"a", "b"}
@@ -277,6 +282,124 @@ def test_mcp_server_tools_are_listed_filtered_called_and_a_dead_server_restarts(
         servers.close()
 
 
+def test_a_stdio_servers_environment_is_what_env_passthrough_passes(tmp_path, mcp_script, monkeypatch):
+    monkeypatch.setenv("RETROGRAD_TEST_SECRET", "s3cret")
+    monkeypatch.setenv("RETROGRAD_TEST_PASSED", "yes")
+    for passthrough, secret, passed in ((None, "s3cret", "yes"), (["RETROGRAD_TEST_PASSED"], "unset", "yes"), ([], "unset", "unset")):
+        keys = {"env": {"SET_HERE": "${RETROGRAD_TEST_PASSED}"}} | ({} if passthrough is None else {"env_passthrough": passthrough})
+        servers = McpServers(server_options([lab(tmp_path, mcp_script, allowed_tools=["getenv"], **keys)], None, tmp_path))
+        try:
+            toolset = ToolCatalog.of("mcp", servers.tools).toolsets["mcp"]
+            got = {name: toolset.call(None, "getenv", {"name": name}).content
+                   for name in ("RETROGRAD_TEST_SECRET", "RETROGRAD_TEST_PASSED", "SET_HERE", "PATH")}
+        finally:
+            servers.close()
+        assert got == {"RETROGRAD_TEST_SECRET": secret, "RETROGRAD_TEST_PASSED": passed, "SET_HERE": "yes",
+                       "PATH": __import__("os").environ["PATH"]}, passthrough
+
+
+MCP_HTTP_SERVER = '''\
+import os, sys
+from mcp.server.mcpserver import Context, MCPServer
+
+app = MCPServer("web")
+
+@app.tool()
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return str(a + b)
+
+@app.tool()
+def token(ctx: Context) -> str:
+    """The caller's X-Lab-Token header."""
+    return (ctx.headers or {}).get("x-lab-token", "none")
+
+@app.tool()
+def crash() -> str:
+    """Ends the server."""
+    os._exit(3)
+
+app.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+'''
+
+
+class HttpMcpServer:
+    """The reference server over streamable HTTP on a loopback port, (re)started on demand."""
+
+    def __init__(self, tmp_path: Path):
+        import socket
+
+        self.script = tmp_path / "web_server.py"
+        self.script.write_text(MCP_HTTP_SERVER)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.process = None
+
+    def start(self) -> None:
+        import socket
+
+        self.process = subprocess.Popen([sys.executable, str(self.script), str(self.port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError("the reference mcp server did not listen")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def http_mcp(tmp_path):
+    server = HttpMcpServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_streamable_http_mcp_server_is_called_with_its_headers_and_connected_again(tmp_path, http_mcp, monkeypatch):
+    monkeypatch.setenv("RETROGRAD_TEST_TOKEN", "t0k")
+    table = {"name": "web", "transport": {"type": "streamable_http", "url": http_mcp.url,
+                                          "headers": {"X-Lab-Token": "${RETROGRAD_TEST_TOKEN}"}}, "tool_timeout_secs": 5}
+    (options,) = server_options([table], None, tmp_path)
+    assert options.url == http_mcp.url and options.headers == (("X-Lab-Token", "t0k"),) and options.command == ()
+    servers = McpServers((options,))
+    try:
+        assert [tool.name for tool in servers.tools] == ["add", "token", "crash"]
+        toolset = ToolCatalog.of("mcp", servers.tools).toolsets["mcp"]
+        assert toolset.call(None, "add", {"a": 2, "b": 3}).content == "5"
+        assert toolset.call(None, "token", {}).content == "t0k"
+        crashed = toolset.call(None, "crash", {})
+        assert crashed.broken == "tool_broken" and crashed.content.startswith("mcp server 'web', tool 'crash': ")
+        gone = toolset.call(None, "add", {"a": 1, "b": 1})  # nobody listens: this trajectory breaks, the run goes on
+        assert gone.broken == "tool_broken" and "restart failed" in gone.content, gone.content
+        http_mcp.start()
+        assert toolset.call(None, "add", {"a": 4, "b": 4}).content == "8"  # connected again
+    finally:
+        servers.close()
+
+
+def test_a_server_that_is_not_required_is_left_out_when_it_cannot_be_reached(tmp_path, http_mcp, mcp_script):
+    http_mcp.stop()
+    unreachable = {"name": "web", "url": http_mcp.url, "required": False}
+    servers = McpServers(server_options([unreachable, lab(tmp_path, mcp_script, allowed_tools=["add"])], None, tmp_path))
+    try:
+        assert [tool.name for tool in servers.tools] == ["add"]
+        (line,) = servers.left_out
+        assert line.startswith(f"agent.mcp_servers 'web' ({http_mcp.url}): cannot be reached: ConnectError") and "required = false" in line
+    finally:
+        servers.close()
+    with pytest.raises(McpServerError, match="agent.mcp_servers 'web'"):
+        McpServers(server_options([unreachable | {"required": True}], None, tmp_path))
+
+
 def test_an_mcp_tool_error_is_an_observation(tmp_path, mcp_script):
     servers = McpServers(server_options([lab(tmp_path, mcp_script, allowed_tools=["oops"])], None, tmp_path))
     try:
@@ -290,15 +413,29 @@ def test_an_mcp_tool_error_is_an_observation(tmp_path, mcp_script):
 def test_mcp_json_files_are_read_with_their_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("RETROGRAD_TEST_TOKEN", "t0k")
     (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {
-        "files": {"command": "npx", "args": ["-y", "server-files", "${RETROGRAD_TEST_TOKEN}"], "env": {"T": "${RETROGRAD_TEST_TOKEN}"}}}}))
-    (files,) = server_options((), "mcp.json", tmp_path)
+        "files": {"command": "npx", "args": ["-y", "server-files", "${RETROGRAD_TEST_TOKEN}"], "env": {"T": "${RETROGRAD_TEST_TOKEN}"}},
+        "web": {"type": "http", "url": "https://127.0.0.1:9/mcp", "headers": {"Authorization": "Bearer ${RETROGRAD_TEST_TOKEN}"},
+                "stateless": True}}}))
+    files, web = server_options((), "mcp.json", tmp_path)
     assert files.name == "files" and files.command == ("npx", "-y", "server-files", "t0k") and files.env == (("T", "t0k"),)
-    assert files.tool_timeout_secs == 30 and files.max_tool_result_bytes == 65536
+    assert files.tool_timeout_secs == 30 and files.max_tool_result_bytes == 65536 and files.url is None
+    assert web.url == "https://127.0.0.1:9/mcp" and web.headers == (("Authorization", "Bearer t0k"),) and web.command == ()
+    assert web.stateless and not files.stateless  # beside an environment, only the one that says so may serve
+    with pytest.raises(ConfigError, match=r"mcp.json mcpServers.files.stateless: \[agent.environment\] is declared"):
+        server_options((), "mcp.json", tmp_path, environment=True)
 
 
 @pytest.mark.parametrize("servers, config, needle", [
-    ([{"name": "a"}], None, "agent.mcp_servers[0].command is required"),
-    ([{"name": "a", "command": ["x"], "url": "http://x"}], None, "agent.mcp_servers[0].url: only stdio servers"),
+    ([{"name": "a", "command": ["x"], "url": "http://x"}], None, "agent.mcp_servers[0]: give exactly one of command"),
+    ([{"name": "a"}], None, "agent.mcp_servers[0]: give exactly one of command"),
+    ([{"name": "a", "url": "ftp://x"}], None, "agent.mcp_servers[0].url = 'ftp://x': expected an http:// or https://"),
+    ([{"name": "a", "url": "http://x", "env": {"A": "b"}}], None, "agent.mcp_servers[0].env: only for a stdio server"),
+    ([{"name": "a", "command": ["x"], "headers": {"A": "b"}}], None, "agent.mcp_servers[0].headers: only for a streamable HTTP"),
+    ([{"name": "a", "transport": {"type": "sse", "url": "http://x"}}], None, "agent.mcp_servers[0].transport = "),
+    ([{"name": "a", "url": "http://x", "transport": {"type": "streamable_http", "url": "http://y"}}], None,
+     "agent.mcp_servers[0].transport.url: also given outside transport"),
+    ([{"name": "a", "command": ["x"], "env_passthrough": "PATH"}], None, "agent.mcp_servers[0].env_passthrough = 'PATH': expected a list"),
+    ([{"name": "a", "command": ["x"], "required": "yes"}], None, "agent.mcp_servers[0].required = 'yes': expected true or false"),
     ([{"name": "a", "command": ["x"]}, {"name": "a", "command": ["y"]}], None, "two servers are named 'a'"),
     ([{"name": "a", "command": ["x"], "tool_timeout_secs": 0}], None, "agent.mcp_servers[0].tool_timeout_secs = 0.0: expected"),
     ([{"name": "a", "command": ["x"], "allow": ["*"]}], None, "agent.mcp_servers[0].allow: unknown key"),
@@ -311,6 +448,15 @@ def test_mcp_options_are_refused_on_one_line(tmp_path, servers, config, needle):
     with pytest.raises(ConfigError) as error:
         server_options(servers, config, tmp_path)
     assert needle in str(error.value) and "\n" not in str(error.value)
+
+
+def test_beside_an_environment_every_mcp_server_must_be_stateless(tmp_path):
+    servers = [{"name": "a", "command": ["x"]}, {"name": "b", "command": ["y"], "stateless": True}]
+    assert len(server_options(servers, None, tmp_path)) == 2
+    with pytest.raises(ConfigError) as error:
+        server_options(servers, None, tmp_path, environment=True)
+    assert str(error.value).startswith("agent.mcp_servers[0].stateless: [agent.environment] is declared") \
+        and "mcp_servers[1]" not in str(error.value)
 
 
 def test_an_mcp_server_that_cannot_start_stops_the_run_before_the_model_loads(tmp_path):
@@ -362,7 +508,7 @@ scenarios = "scenarios.jsonl"
 
 def scripted_run(cfg: Path, scripts: list[list[str]]):
     config = load_config(cfg)
-    task = open_task(config)
+    task = open_task(config, SilentReporter())
     try:
         setup = prepare(config, SilentReporter(), task.chat)
         result = train(config, setup, ScriptedPolicy(task.chat.tokenizer, scripts), task, SilentReporter())

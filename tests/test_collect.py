@@ -116,7 +116,7 @@ def run(tmp_path, tiny_model, monkeypatch):
     def go(scripts=SCRIPTS, fail_on_open=None, **options):
         options = CollectOptions(**({"out": tmp_path / "traces.jsonl", "report": tmp_path / "report.json"} | options))
         check_request(cfg, options)
-        task = open_task(cfg)
+        task = open_task(cfg, SilentReporter())
         try:
             result = collect_with(cfg, options, task, Policy(task.chat.tokenizer, scripts, fail_on_open), SilentReporter())
         finally:

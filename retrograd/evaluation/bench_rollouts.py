@@ -227,7 +227,7 @@ def bench_agent_grpo(cfg: Config, reporter: Reporter, options: BenchOptions) -> 
     adapter_path, adapter = _adapter(cfg, options, reporter)
     held_out = dataclasses.replace(cfg, agent=dataclasses.replace(a, scenarios=data_path, judge=None), evaluation=None)
     k = options.samples or DEFAULT_SAMPLES
-    task = agent_grpo.open_task(held_out)
+    task = agent_grpo.open_task(held_out, reporter)
     try:
         scenarios = task.scenarios[: options.limit]
         limits = task.limits

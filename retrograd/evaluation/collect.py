@@ -120,7 +120,7 @@ def collect(cfg: Config, options: CollectOptions, reporter: Reporter) -> Collect
     model = cfg.model.path or default_model_path()
     adapter_path = options.adapter or cfg.lora.init_adapter
     adapter = read_fitting_adapter(Path(adapter_path), GGUFFile(model)) if adapter_path else None
-    task = open_task(cfg)
+    task = open_task(cfg, reporter)
     try:
         with Sampler(model, sampler_options(cfg)) as sampler:
             reporter.message(f"sampler: llama.cpp on {sampler.placement.describe()}, "

@@ -122,11 +122,11 @@ class AgentTask:
         return kind + (f" + {len(self.mcp.servers)} mcp server(s)" if self.mcp else "")
 
 
-def open_task(cfg: Config) -> AgentTask:
+def open_task(cfg: Config, reporter: Reporter) -> AgentTask:
     """Checks every input the run depends on, cheapest first: the options, then the servers
     whose tools the prompts show (an http environment's tool list, the mcp servers, started
-    once for the run), the scenarios, and opens the sandbox pool last (it checks the daemon and
-    the image, or bubblewrap, and reaps dead runs' leftovers)."""
+    once for the run; `reporter` hears of those left out), the scenarios, and opens the sandbox
+    pool last (it checks the daemon and the image, or bubblewrap, and reaps dead runs' leftovers)."""
     a = cfg.agent
     base = open_chat(cfg)
     chat = ChatFormat(base.tokenizer, base.source, variables=a.template_variables, origin=base.origin)
@@ -136,7 +136,7 @@ def open_task(cfg: Config) -> AgentTask:
     http_options = HttpEnvironmentOptions.from_table(a.environment) if http else None
     options = EnvironmentOptions.from_table(a.environment) if a.environment and not http else None
     catalog = ToolCatalog.from_table(a.environment.get("tools", DEFAULT_TOOLS), cfg.path.parent) if options else None
-    servers = server_options(a.mcp_servers, a.mcp_config, cfg.path.parent)
+    servers = server_options(a.mcp_servers, a.mcp_config, cfg.path.parent, environment=bool(a.environment))
     task = AgentTask(chat, limits, catalog, options, (), (), None)
     try:
         if http_options is not None:
@@ -144,6 +144,8 @@ def open_task(cfg: Config) -> AgentTask:
             catalog = ToolCatalog.of("http", task.http.tools)
         if servers:
             task.mcp = McpServers(servers)
+            for line in task.mcp.left_out:
+                reporter.message(f"note: {line}")
             catalog = catalog.with_tools(task.mcp.tools, "agent.mcp_servers") if catalog else ToolCatalog.of("mcp", task.mcp.tools)
         task.catalog = catalog
         # scenarios without verify are scored by the judge, or by an http environment's step rewards
@@ -174,7 +176,7 @@ def sampler_options(cfg: Config) -> SamplerOptions:
 
 def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -> RolloutResult:
     baseline_rss = rss_bytes()
-    task = open_task(cfg)
+    task = open_task(cfg, reporter)
     try:
         setup = prepare(cfg, reporter, task.chat)
         options = sampler_options(cfg)
