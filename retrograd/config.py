@@ -332,6 +332,7 @@ class AgentSection:
     max_dropped_fraction: float = key(0.5, ge=0, le=1)
     skip_empty_updates: bool = key(False)
     judge_failure: str = key("drop_group", choices=("drop_group", "fail"))
+    drop_degenerate_groups: bool = key(False)  # a group the judge scored identically is not trained
     clip_range_low: float = key(0.2, gt=0, lt=1)
     clip_range_high: float = key(0.28, gt=0, lt=1)
     kl_coefficient: float = key(0.0, ge=0)

@@ -541,6 +541,22 @@ def test_a_scripted_update_through_the_http_environment(tmp_path, tiny_model, gu
     assert m["agent/stop/environment_broken"] == pytest.approx(1 / 3) and m["agent/failed_tool"] == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_group_the_judge_scored_alike_is_dropped_when_asked(tmp_path, tiny_model, guess_server, drop):
+    """A judge that gives every member 0.5; the step rewards still differ, so the group trains
+    unless agent.drop_degenerate_groups drops it."""
+    cfg = write_config(tmp_path, model=tiny_model("llama"), judge=True, drop_degenerate_groups=drop,
+                       environment=f'[agent.environment]\ntype = "http"\nbase_url = "{guess_server.url}"')
+    (tmp_path / "judge.py").write_text("import json, sys\nfor line in sys.stdin:\n    print(json.dumps({'reward': 0.5}))\n")
+    result, records, m, _ = scripted_run(cfg, [[call("guess", number=2)], [call("guess", number=3), call("guess", number=2)],
+                                               [call("guess", number=1), call("guess", number=2)]])
+    assert [r["terminal_reward"] for r in records] == [0.5, 0.5, 0.5]
+    assert [r["reward"] for r in records] == [1.5, 1.5 + WRONG, 1.5 + WRONG]
+    assert m["judge/groups"] == 1.0 and m["judge/degenerate_group_fraction"] == 1.0
+    assert [r["trained"] for r in records] == [not drop] * 3 and result.steps == (0 if drop else 1)
+    assert [r["skip_reason"] for r in records] == (["degenerate_judge"] * 3 if drop else [None] * 3)
+
+
 def test_a_scripted_update_with_mcp_tools(tmp_path, tiny_model, mcp_script):
     """An mcp server's tools in the prompt, its answers as observations, a server that exits
     mid-episode costs that trajectory (judged run: no environment)."""

@@ -150,7 +150,7 @@ def collect_with(cfg: Config, options: CollectOptions, task: AgentTask, sampler,
                 requests = [Request(scenarios[i], i, j, seed + i * k + j) for i in chunk for j in range(k)]
                 clock = PhaseClock()
                 trajectories = recipe.rollouts.collect(requests, clock)
-                scored, _, _ = recipe.score([trajectories[n:n + k] for n in range(0, len(trajectories), k)], clock)
+                scored, _ = recipe.score([trajectories[n:n + k] for n in range(0, len(trajectories), k)], clock)
                 for n in range(0, len(scored), k):
                     group = scored[n:n + k]
                     lines, causes = _pair_lines(task, group, options) if options.pairs else _record_lines(task, group, options)

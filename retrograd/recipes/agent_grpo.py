@@ -87,6 +87,7 @@ class ScoredTrajectory:
 
     trajectory: Trajectory
     reward: float
+    degenerate: bool = False  # its group's judge scores are all equal and agent.drop_degenerate_groups drops it
 
     @property
     def truncated(self) -> bool:
@@ -256,32 +257,36 @@ class AgentRecipe:
         if self.task.pool is not None:
             self.task.pool.prewarm()  # the next update's sandboxes start while the optimizer runs
         groups = [trajectories[i:i + a.group_size] for i in range(0, len(trajectories), a.group_size)]
-        scored, judged, dropped = self.score(groups, clock)
-        metrics = _rollout_metrics(trajectories) | {
-            "judge/groups": float(judged), "judge/dropped_group_fraction": dropped / judged if judged else 0.0,
-            "timing/rollout_seconds": rollout_seconds,
-        }
+        scored, judge_metrics = self.score(groups, clock)
+        metrics = _rollout_metrics(trajectories) | judge_metrics | {"timing/rollout_seconds": rollout_seconds}
         if self.task.pool is not None:
             metrics |= self.task.pool.metrics(reset=True)
         if isinstance(self.task.judge, RulerJudge):
             metrics |= self.task.judge.metrics()
         return Batch(update, tuple(scored), cursor + a.scenarios_per_update, metrics)
 
-    def score(self, groups: list[list[Trajectory]], clock: PhaseClock) -> tuple[list[ScoredTrajectory], int, int]:
+    def score(self, groups: list[list[Trajectory]], clock: PhaseClock) -> tuple[list[ScoredTrajectory], dict]:
         """Every member with the reward it ends with (the judge scores groups without verify,
-        an http environment's step rewards are its score); also how many groups the judge
-        scored and how many it left unscored (`retrograd collect` scores its groups this way)."""
-        judged = dropped = 0
+        an http environment's step rewards are its score), and the judge/* metrics: how many
+        groups the judge scored, the share it left unscored and the share it scored alike
+        (`retrograd collect` scores its groups this way)."""
+        judged = dropped = degenerate = 0
         scored = []
         for group in groups:
+            alike = False
             if not group[0].scenario.verifiable and self.task.judge is not None:
                 group, kept = self._judged(group, clock)
                 judged += 1
                 dropped += not kept
+                verdicts = [t.terminal_reward for t in group if _complete(t)]
+                alike = kept and len(verdicts) >= 2 and len(set(verdicts)) == 1
+                degenerate += alike
             elif self.task.http is not None:  # the environment scored it, step by step
                 group = [t if t.failed else dataclasses.replace(t, terminal_reward=0.0) for t in group]
-            scored += _scored(group, self.a.truncation)
-        return scored, judged, dropped
+            scored += _scored(group, self.a.truncation, alike and self.a.drop_degenerate_groups)
+        share = (lambda n: n / judged) if judged else (lambda n: 0.0)
+        return scored, {"judge/groups": float(judged), "judge/dropped_group_fraction": share(dropped),
+                        "judge/degenerate_group_fraction": share(degenerate)}
 
     def _requests(self, cursor: int) -> list[Request]:
         a = self.a
@@ -327,7 +332,9 @@ class AgentRecipe:
         for i, group in enumerate(groups):
             for j, s in enumerate(group):
                 advantage, skip = float(adv.advantages[i, j]), skips[i][j]
-                if skip is None and bool(adv.dead[i]):
+                if skip is None and group[0].degenerate:
+                    skip = "degenerate_judge"
+                elif skip is None and bool(adv.dead[i]):
                     skip = "zero_signal"
                 decisions.append(Decision(advantage, skip is None, skip))
                 if skip is None:
@@ -355,9 +362,11 @@ class AgentRecipe:
                 fail = (f"update {update + 1}: no group has two usable trajectories, so there is no baseline; "
                         "set agent.skip_empty_updates = true to skip such updates")
         else:
-            note = "no group has different rewards; nothing to train"
+            alike = any(group[0].degenerate for group in groups)
+            note = f"no group has different rewards{', or the judge scored it alike (drop_degenerate_groups)' * alike}; nothing to train"
+        discarded = sum(bool(adv.dead[i]) or group[0].degenerate for i, group in enumerate(groups))
         return TrainPlan(tuple(samples), tuple(trained), tuple(decisions), metrics, beta=a.kl_coefficient,
-                         discarded_groups=int(adv.dead.sum()), note=note, fail=fail)
+                         discarded_groups=discarded, note=note, fail=fail)
 
     # ---------------------------------------------------------------- reporting, evaluation
 
@@ -380,12 +389,12 @@ def _complete(t: Trajectory) -> bool:
     return t.terminal_reward is not None and not t.truncated and not t.failed
 
 
-def _scored(group: list[Trajectory], truncation: str) -> list[ScoredTrajectory]:
+def _scored(group: list[Trajectory], truncation: str, degenerate: bool = False) -> list[ScoredTrajectory]:
     """Each member's reward: terminal plus step rewards; with truncation = "min_reward" a
     truncated member gets the group's lowest complete reward (when it has one)."""
     complete = [trajectory_reward(t) for t in group if _complete(t)]
     substitute = truncation == "min_reward" and bool(complete)
-    return [ScoredTrajectory(t, min(complete) if t.truncated and substitute else trajectory_reward(t)) for t in group]
+    return [ScoredTrajectory(t, min(complete) if t.truncated and substitute else trajectory_reward(t), degenerate) for t in group]
 
 
 def _dropped(s: ScoredTrajectory, group: list[ScoredTrajectory], truncation: str) -> str | None:
