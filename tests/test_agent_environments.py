@@ -574,6 +574,19 @@ def test_a_scripted_update_with_mcp_tools(tmp_path, tiny_model, mcp_script):
     prompt = task.chat.tokenizer.decode(records[0]["turns"][0]["prompt_ids"])
     assert "Add two integers." in prompt and "Ends the server." in prompt and "Never answers." not in prompt
     assert (tmp_path / "starts.log").read_text() == "started\n"  # once per run, shared by the trajectories
+
+    # retrograd tools list: what the run showed its model, and the hash it checks on resume
+    listed = subprocess.run([*RETROGRAD, "tools", "list", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[:2] == ["toolset mcp (default): 4 tool(s)", "  mcp.lab.add@1     add: Add two integers."]
+    assert listed.stdout.splitlines()[-1] == f"catalogue sha256: {task.catalog.signature()}"
+    doc = json.loads(subprocess.run([*RETROGRAD, "tools", "list", str(cfg), "--json"], capture_output=True, text=True).stdout)
+    assert doc["signature"] == task.catalog.signature() and doc["toolsets"]["mcp"][0] == "mcp.lab.add@1"
+    assert doc["tools"]["mcp.lab.add@1"]["input_schema"]["properties"].keys() == {"a", "b"}
+    assert (tmp_path / "starts.log").read_text() == "started\n" * 3
+    offline = subprocess.run([*RETROGRAD, "tools", "list", str(cfg), "--no-connect"], capture_output=True, text=True)
+    assert offline.stdout.splitlines()[-1] == f"not connected (--no-connect): mcp server lab ({sys.executable} {mcp_script} " \
+        f"{tmp_path / 'starts.log'})" and (tmp_path / "starts.log").read_text() == "started\n" * 3
     assert m["agent/stop/tool_broken"] == pytest.approx(1 / 3)
 
 
@@ -613,3 +626,9 @@ def test_one_update_on_smollm2_with_an_mcp_server(tmp_path, mcp_script, smollm2)
     assert (tmp_path / "starts.log").read_text() == "started\n"
     assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
                 if str(mcp_script) in line]  # the server ended with the run
+
+
+def test_tools_list_of_a_run_without_tools_is_one_line():
+    sft = Path(__file__).parents[1] / "examples/smoke_tiny_sft.toml"
+    r = subprocess.run([*RETROGRAD, "tools", "list", str(sft)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {sft}: run.algorithm = 'sft'; only an agent_grpo run has tools", r.stderr

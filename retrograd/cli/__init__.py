@@ -15,6 +15,7 @@ from retrograd.cli import (
     report as _report,  # noqa: F401  (registers report)
     rollout_worker as _rollout_worker,  # noqa: F401  (registers rollout-worker)
     serve as _serve,  # noqa: F401  (registers serve)
+    tools as _tools,  # noqa: F401  (registers tools list)
     train as _train,  # noqa: F401  (registers train)
 )
 from retrograd.cli.app import app, main  # noqa: F401  (the entry point and the app, for tests)

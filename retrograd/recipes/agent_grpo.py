@@ -50,7 +50,7 @@ from retrograd.rollouts.agent import (
 )
 from retrograd.rollouts.http_env import HttpEnvironment, HttpEnvironmentOptions
 from retrograd.rollouts.judge import RulerJudge, judge_group, make_judge
-from retrograd.rollouts.mcp_tools import McpServers, server_options
+from retrograd.rollouts.mcp_tools import McpServerOptions, McpServers, server_options
 from retrograd.rollouts.rewards import Reward, RewardError
 from retrograd.rollouts.sandbox import EnvironmentOptions, SandboxPool, open_environment
 from retrograd.rollouts.scenarios import Scenario, load_scenarios
@@ -123,6 +123,46 @@ class AgentTask:
         return kind + (f" + {len(self.mcp.servers)} mcp server(s)" if self.mcp else "")
 
 
+@dataclass(frozen=True)
+class ToolOptions:
+    """Where a run's tools come from, checked, nothing connected yet: the environment's own
+    toolsets, an http environment (its server lists its tools) and the mcp servers."""
+
+    environment: EnvironmentOptions | None
+    catalog: ToolCatalog | None  # the environment's toolsets
+    http: HttpEnvironmentOptions | None
+    servers: tuple[McpServerOptions, ...]
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ToolOptions:
+        a = cfg.agent
+        http = a.environment.get("type") == "http"
+        environment = EnvironmentOptions.from_table(a.environment) if a.environment and not http else None
+        catalog = ToolCatalog.from_table(a.environment.get("tools", DEFAULT_TOOLS), cfg.path.parent) if environment else None
+        return cls(environment, catalog, HttpEnvironmentOptions.from_table(a.environment) if http else None,
+                   server_options(a.mcp_servers, a.mcp_config, cfg.path.parent, environment=bool(a.environment)))
+
+    def connect(self, reporter: Reporter) -> tuple[ToolCatalog | None, HttpEnvironment | None, McpServers | None]:
+        """The whole catalogue, with the clients of the servers it connected to (the caller
+        closes them); `reporter` hears of servers left out (required = false)."""
+        catalog, http, mcp = self.catalog, None, None
+        try:
+            if self.http is not None:
+                http = HttpEnvironment(self.http)
+                catalog = ToolCatalog.of("http", http.tools)
+            if self.servers:
+                mcp = McpServers(self.servers)
+                for line in mcp.left_out:
+                    reporter.message(f"note: {line}")
+                catalog = catalog.with_tools(mcp.tools, "agent.mcp_servers") if catalog else ToolCatalog.of("mcp", mcp.tools)
+        except BaseException:
+            for client in (http, mcp):
+                if client is not None:
+                    client.close()
+            raise
+        return catalog, http, mcp
+
+
 def open_task(cfg: Config, reporter: Reporter) -> AgentTask:
     """Checks every input the run depends on, cheapest first: the options, then the servers
     whose tools the prompts show (an http environment's tool list, the mcp servers, started
@@ -133,22 +173,12 @@ def open_task(cfg: Config, reporter: Reporter) -> AgentTask:
     chat = ChatFormat(base.tokenizer, base.source, variables=a.template_variables, origin=base.origin)
     chat.require_template(a.scenarios)
     limits = RolloutLimits.from_agent(a, cfg.training.ctx)
-    http = a.environment.get("type") == "http"
-    http_options = HttpEnvironmentOptions.from_table(a.environment) if http else None
-    options = EnvironmentOptions.from_table(a.environment) if a.environment and not http else None
-    catalog = ToolCatalog.from_table(a.environment.get("tools", DEFAULT_TOOLS), cfg.path.parent) if options else None
-    servers = server_options(a.mcp_servers, a.mcp_config, cfg.path.parent, environment=bool(a.environment))
-    task = AgentTask(chat, limits, catalog, options, (), (), None)
+    tools = ToolOptions.from_config(cfg)
+    options, http = tools.environment, tools.http is not None
+    task = AgentTask(chat, limits, tools.catalog, options, (), (), None)
     try:
-        if http_options is not None:
-            task.http = HttpEnvironment(http_options)
-            catalog = ToolCatalog.of("http", task.http.tools)
-        if servers:
-            task.mcp = McpServers(servers)
-            for line in task.mcp.left_out:
-                reporter.message(f"note: {line}")
-            catalog = catalog.with_tools(task.mcp.tools, "agent.mcp_servers") if catalog else ToolCatalog.of("mcp", task.mcp.tools)
-        task.catalog = catalog
+        task.catalog, task.http, task.mcp = tools.connect(reporter)
+        catalog = task.catalog
         # scenarios without verify are scored by the judge, or by an http environment's step rewards
         scored = a.judge is not None or http
         task.scenarios = load_scenarios(a.scenarios, catalog, judged=scored, system_suffix=a.system_suffix,
