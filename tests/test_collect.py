@@ -179,6 +179,29 @@ def test_pairs_are_best_against_worst_and_respect_min_gap(run, tmp_path):
     assert result.written == 0 and result.dropped["pair: gap below min_gap"] == 1
 
 
+def test_require_verified_keeps_only_what_a_verify_command_passed(tmp_path, tiny_model):
+    """A judged scenario (no verify) whose judge gives 1.0 is a success, kept by default and
+    dropped as not_verified with require_verified; the verified scenario's trace stays."""
+    free = {"id": "free", "user": "Say something kind."}
+    cfg_path = write_config(tmp_path, tiny_model("llama"), scenarios=[SCENARIOS[0], free])
+    (tmp_path / "judge.py").write_text("import json, sys\nfor line in sys.stdin:\n    print(json.dumps({'reward': 1.0}))\n")
+    cfg_path.write_text(cfg_path.read_text() + f'[agent.judge]\ncommand = ["{sys.executable}", "{tmp_path / "judge.py"}"]\n')
+    cfg = load_config(cfg_path)
+    kept = {}
+    for require in (False, True):
+        options = CollectOptions(out=tmp_path / f"{require}.jsonl", require_verified=require)
+        task = open_task(cfg, SilentReporter())
+        try:
+            result = collect_with(cfg, options, task, Policy(task.chat.tokenizer, SCRIPTS), SilentReporter())
+        finally:
+            task.close()
+        kept[require] = [json.loads(line)["scenario"] for line in options.out.read_text().splitlines()]
+        if require:
+            # the judged scenario's four complete, well-formed traces and the one whose verify failed
+            assert result.dropped["not_verified"] == 5 and "not_successful" not in result.dropped
+    assert kept == {False: ["answer", "free"], True: ["answer"]}
+
+
 def test_the_output_appears_whole_or_not_at_all_and_the_report(run, tmp_path):
     out = tmp_path / "traces.jsonl"
     with pytest.raises(KeyboardInterrupt):  # while the second scenario rolls out

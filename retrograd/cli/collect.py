@@ -31,6 +31,11 @@ def collect(
         typer.Option("--min-reward", help="Keep traces with at least this reward (default: successful traces only: "
                                           "verify passed, or a reward of at least 1)."),
     ] = None,
+    require_verified: Annotated[
+        bool,
+        typer.Option("--require-verified/--allow-unverified",
+                     help="Keep only traces whose scenario's verify command passed (not those a judge or step rewards scored)."),
+    ] = False,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N scenarios.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Scenario i uses seeds SEED + i*k + j (default: \\[agent].seed).")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Write per-scenario attempts, passes, kept and pass rate as JSON.")] = None,
@@ -50,7 +55,7 @@ def collect(
     from retrograd.evaluation.collect import CollectOptions, collect as run_collect
 
     cfg = load_config(config).with_overrides(model=model, device=device)
-    options = CollectOptions(out=out, k=k, keep=keep, min_reward=min_reward, limit=limit, seed=seed, report=report,
+    options = CollectOptions(out=out, k=k, keep=keep, min_reward=min_reward, require_verified=require_verified, limit=limit, seed=seed, report=report,
                              force=force, pairs=pairs, min_gap=min_gap, adapter=adapter)
     reporter = ConsoleReporter()
     reporter.message("collect")

@@ -15,8 +15,8 @@ rollout's tokens and mask; one that differs (a tokenization the tokenizer would 
 produce, a turn the template renders differently) is dropped as `not_reproducible`.
 
 Every trajectory that is not written is counted under one cause: failed and truncated (with
-their stop reason), unscored (the judge failed), malformed_call, not_successful or
-below_min_reward, duplicate (the same record as one kept), over_keep, not_reproducible.
+their stop reason), unscored (the judge failed), malformed_call, not_verified (with
+require_verified), not_successful or below_min_reward, duplicate (the same record as one kept), over_keep, not_reproducible.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class CollectOptions:
     k: int | None = None  # trajectories per scenario (default agent.group_size)
     keep: int = 1  # records per scenario
     min_reward: float | None = None  # None: keep successful traces (see `successful`)
+    require_verified: bool = False  # keep only traces a scenario's verify command passed (not judged ones)
     limit: int | None = None  # the first N scenarios
     seed: int | None = None  # default agent.seed
     report: Path | None = None
@@ -185,15 +186,18 @@ def atomic_lines(out: Path) -> Iterator[IO[str]]:
 # ---------------------------------------------------------------- which traces are kept
 
 
+def verified(t: Trajectory) -> bool:
+    """The scenario's verify command passed (gave its reward_on_success rather than 0)."""
+    return t.scenario.verifiable and t.terminal_reward not in (None, 0.0)
+
+
 def successful(s: ScoredTrajectory) -> bool:
-    """Complete, and verify passed (gave its reward_on_success rather than 0) or the reward
-    (judge, step rewards) reached SUCCESS_REWARD."""
+    """Complete, and verify passed or the reward (judge, step rewards) reached SUCCESS_REWARD."""
     t = s.trajectory
-    verified = t.scenario.verifiable and t.terminal_reward not in (None, 0.0)
-    return not t.failed and not t.truncated and (verified or s.reward >= SUCCESS_REWARD)
+    return not t.failed and not t.truncated and (verified(t) or s.reward >= SUCCESS_REWARD)
 
 
-def drop_cause(s: ScoredTrajectory, min_reward: float | None) -> str | None:
+def drop_cause(s: ScoredTrajectory, min_reward: float | None, require_verified: bool = False) -> str | None:
     """Why a trace cannot be kept whatever the others are, or None."""
     t = s.trajectory
     if t.failed:
@@ -204,6 +208,8 @@ def drop_cause(s: ScoredTrajectory, min_reward: float | None) -> str | None:
         return "unscored"
     if any(turn.note not in (None, ERROR_PREFIX + NO_CALL) for turn in t.turns):
         return "malformed_call"  # no record can hold a turn whose calls do not parse
+    if require_verified and not verified(t):
+        return "not_verified"
     if min_reward is None:
         return None if successful(s) else "not_successful"
     return None if s.reward >= min_reward else "below_min_reward"
@@ -214,13 +220,13 @@ def ranked(group: list[ScoredTrajectory]) -> list[ScoredTrajectory]:
     return sorted(group, key=lambda s: (-s.reward, len(s.trajectory.tokens), s.trajectory.member))
 
 
-def select(task: AgentTask, group: list[ScoredTrajectory], min_reward: float | None, keep: int) -> tuple[list[Kept], Counter]:
+def select(task: AgentTask, group: list[ScoredTrajectory], options: CollectOptions, keep: int) -> tuple[list[Kept], Counter]:
     """Up to `keep` traces of one scenario, best first, none an exact duplicate of another,
     each reproducible; and every other trace's cause."""
     kept: list[Kept] = []
     causes: Counter = Counter()
     for s in ranked(group):
-        cause = drop_cause(s, min_reward)
+        cause = drop_cause(s, options.min_reward, options.require_verified)
         record = sft_record(s.trajectory, s.reward) if cause is None else None
         if cause is None and any(_same(record, other.record) for other in kept):
             cause = "duplicate"
@@ -236,7 +242,7 @@ def select(task: AgentTask, group: list[ScoredTrajectory], min_reward: float | N
 
 
 def _record_lines(task: AgentTask, group: list[ScoredTrajectory], options: CollectOptions) -> tuple[list[dict], Counter]:
-    kept, causes = select(task, group, options.min_reward, options.keep)
+    kept, causes = select(task, group, options, options.keep)
     return [k.record for k in kept], causes
 
 
@@ -278,7 +284,7 @@ def reproduces(task: AgentTask, record: dict, t: Trajectory) -> bool:
 def _pair_lines(task: AgentTask, group: list[ScoredTrajectory], options: CollectOptions) -> tuple[list[dict], Counter]:
     """One pair: the best kept trace against the worst complete one, when their rewards
     differ by min_gap or more; else a cause for the scenario (`pair: ...`)."""
-    best, causes = select(task, group, options.min_reward, 1)
+    best, causes = select(task, group, options, 1)
     if not best:
         return [], causes + Counter({"pair: no trace kept": 1})
     chosen = best[0]
