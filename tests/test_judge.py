@@ -279,3 +279,52 @@ def test_bench_judges_base_and_adapter_samples_in_one_group(endpoint, tmp_path, 
             assert sample.verdict == min(1.0, len(sample.text.strip()) / 40)  # what the scripted judge says
     judge_row = next(r for r in result.rows() if r.group == "judge")
     assert judge_row.adapter == pytest.approx(np.mean([s.verdict for p in result.adapter.samples for s in p]))
+
+
+@pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
+def test_judge_eval_correlates_verdicts_with_labels_and_with_a_second_pass(endpoint, tmp_path):
+    """The scripted judge scores by length: a group labelled by length agrees (tau +1), one
+    labelled against it disagrees (-1), one with equal labels has no ranking; both passes ask
+    the endpoint (the configured cache is not used) and agree with each other."""
+    import subprocess
+
+    cfg = judged_config(tmp_path, endpoint.url, extra=f'[grpo.judge.strategy]\nmode = "listwise"')
+    cfg.write_text(cfg.read_text().replace('max_retries = 0', f'max_retries = 0\ncache_path = "{tmp_path / "cache.jsonl"}"'))
+    fixtures = tmp_path / "labelled.jsonl"
+    fixtures.write_text("".join(json.dumps(f) + "\n" for f in [
+        {"prompt": TASK, "completions": ["42", "It is 42.", "The sum of 12 and 30 is 42."], "labels": [0, 1, 2]},
+        {"prompt": TASK, "completions": ["42", "Forty-two, I believe."], "labels": [1, 0]},
+        {"prompt": TASK, "completions": ["42", "It is 42."], "labels": [1, 1]},
+    ]))
+    out = tmp_path / "agreement.json"
+    r = subprocess.run([sys.executable, "-m", "retrograd", "judge", "eval", str(cfg), "--fixtures", str(fixtures), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["vs_labels"] == {"kendall": 0.0, "spearman": pytest.approx(0.0), "groups": 2}  # (+1 - 1) / 2
+    assert result["self_consistency"] == {"kendall": 1.0, "spearman": 1.0, "groups": 3}
+    assert len(endpoint.bodies) == 6 and not (tmp_path / "cache.jsonl").exists()
+    first = result["per_fixture"][0]["verdicts"][0]
+    assert first == sorted(first) and result["per_fixture"][0]["verdicts"][1] == first
+    assert "verdicts vs labels" in r.stdout and "1 group(s) left out of a row" in r.stdout
+    fixtures.write_text(json.dumps({"prompt": TASK, "completions": ["42", "41"], "labels": [1]}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "retrograd", "judge", "eval", str(cfg), "--fixtures", str(fixtures)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {fixtures}:1: expected \"labels\": one finite number per " \
+        "completion (higher is better)", r.stderr
+    sft = Path(__file__).parents[1] / "examples/smoke_tiny_sft.toml"
+    r = subprocess.run([sys.executable, "-m", "retrograd", "judge", "eval", str(sft), "--fixtures", str(fixtures)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {sft}: no [grpo.judge] or [agent.judge] to evaluate", r.stderr
+
+
+def test_rank_correlations_with_ties():
+    from retrograd.evaluation.judge_eval import kendall_tau, spearman_rho
+
+    # tau-b by hand: of 6 pairs, x ties one (5 untied in x, 6 in y) and the other 5 are concordant;
+    # Spearman's rho is Pearson's r of the average ranks (the tied pair shares rank 2.5)
+    x, y = [1, 2, 2, 3], [1, 3, 2, 4]
+    assert kendall_tau(x, y) == pytest.approx(5 / np.sqrt(5 * 6))
+    assert spearman_rho(x, y) == pytest.approx(np.corrcoef([1, 2.5, 2.5, 4], [1, 3, 2, 4])[0, 1])
+    assert kendall_tau([1, 1], [1, 2]) is None and spearman_rho([3, 3, 3], [1, 2, 3]) is None
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0

@@ -9,6 +9,7 @@ from retrograd.cli import (
     collect as _collect,  # noqa: F401  (registers collect)
     distill as _distill,  # noqa: F401  (registers distill-teacher)
     eval as _eval,  # noqa: F401  (registers eval)
+    judge as _judge,  # noqa: F401  (registers judge eval)
     merge as _merge,  # noqa: F401  (registers merge)
     model as _model,  # noqa: F401  (registers inspect, preflight)
     profile as _profile,  # noqa: F401  (registers profile)

@@ -4,8 +4,6 @@ paired, with a bootstrap interval and a verdict per difference."""
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -97,9 +95,9 @@ def run_with_bar(console: Console, load, adapters: dict[str, Path], tasks, micro
 
 def write_results(results, out: Path) -> None:
     """The results as JSON, written whole or not at all."""
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({r.task.name: r.to_json() for r in results}, indent=1))
-    os.replace(tmp, out)
+    from retrograd.data.files import write_json
+
+    write_json({r.task.name: r.to_json() for r in results}, out)
 
 
 def results_table(results, adapters: list[str]) -> Table:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,13 @@ def read_text(path: Path) -> str:
             f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save the file as UTF-8"
         ) from None
     return text.removeprefix("\ufeff")
+
+
+def write_json(doc, path: Path) -> None:
+    """`doc` as indented JSON in `path`, written whole or not at all (a temporary file, renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
 
 
 def first_line(text: str) -> str:
