@@ -195,6 +195,25 @@ def test_writing_2_gib_stops_at_the_mounts_size(sandbox, mount, size_mb):
 
 
 @pytest.mark.namespace
+def test_a_sandbox_outlives_the_thread_that_leased_it(memory_mode):
+    """bwrap --die-with-parent fires when the thread that started it ends, not the process:
+    a sandbox an episode's short-lived thread created, then kept for reuse, must still run
+    the next episode's commands (it came back broken, the launcher killed, before the fix)."""
+    import threading
+
+    with open_environment(options("sandbox", reuse="workspace", max_live=2)) as pool:
+        leased = []
+        episode = threading.Thread(target=lambda: leased.append(pool.acquire()))
+        episode.start()
+        episode.join()  # the thread is gone, the sandbox is not
+        assert run(leased[0], "echo alive").stdout == b"alive\n"
+        leased[0].close()
+        again = pool.acquire()
+        assert again is leased[0] and run(again, "echo still alive").stdout == b"still alive\n"
+        again.close()
+
+
+@pytest.mark.namespace
 def test_files_persist_across_calls_and_processes_do_not(memory_mode):
     with open_environment(options("sandbox", reuse="workspace", max_live=1)) as pool:
         sandbox = pool.acquire()

@@ -35,6 +35,9 @@ class SandboxPool:
         self._leased = 0
         self._creating_idle = 0
         self._closed = False
+        # Every sandbox is created on these threads, which live as long as the pool: bwrap's
+        # --die-with-parent (PR_SET_PDEATHSIG) fires when the *thread* that started it ends, and
+        # an episode's thread ends with the episode, while its sandbox waits for reuse.
         self._workers = ThreadPoolExecutor(max_workers=min(4, options.max_live), thread_name_prefix="retrograd-pool")
         self._stats = collections.Counter()
         atexit.register(self.close)  # a normal end and Ctrl-C (KeyboardInterrupt) remove this run's sandboxes
@@ -57,7 +60,7 @@ class SandboxPool:
             self._note_live()
         if sandbox is None:
             try:
-                sandbox = self._create()
+                sandbox = self._in_background(self._create).result()  # on a worker (see _workers)
             except BaseException:
                 with self._cond:
                     self._leased -= 1
