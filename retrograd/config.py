@@ -291,6 +291,17 @@ class JudgeContextSection:
 
 
 @section
+class JudgeCompactionSection:
+    """Long agent transcripts summarised before judging: when a group's longest member is over
+    `trigger_chars`, each member's turns but the last `keep_last` become a summary of at most
+    `target_chars` (asked of the judge's model at temperature 0, cached)."""
+
+    trigger_chars: int = key(ge=200)
+    target_chars: int = key(ge=100)
+    keep_last: int = key(ge=1)
+
+
+@section
 class JudgeSection:
     """`[grpo.judge]` / `[agent.judge]`: a command, or an OpenAI-compatible LLM (`ruler`)."""
 
@@ -308,6 +319,7 @@ class JudgeSection:
     cache_path: Path | None = key(None)  # verdicts by content: a rerun asks nothing twice
     strategy: JudgeStrategySection | None = key(None)
     context: JudgeContextSection | None = key(None)
+    compaction: JudgeCompactionSection | None = key(None)
 
     @property
     def timeout(self) -> float:
@@ -783,7 +795,8 @@ def _judge_checks(judge: JudgeSection, where: str, problems: list[str]) -> None:
     if judge.type == "command":
         if judge.command is None:
             problems.append(f"{where}.command is required with type = 'command'")
-        llm = [k for k in ("base_url", "model", "rubric", "pairwise_rubric", "temperature", "cache_path", "strategy", "context")
+        llm = [k for k in ("base_url", "model", "rubric", "pairwise_rubric", "temperature", "cache_path", "strategy", "context",
+                           "compaction")
                if getattr(judge, k) is not None]
         if llm:
             problems.append(f"{where}.{llm[0]} applies to type = 'ruler' (an LLM judge), not 'command'")
@@ -800,6 +813,9 @@ def _judge_checks(judge: JudgeSection, where: str, problems: list[str]) -> None:
     c = judge.context
     if c is not None and not c.max_message_chars <= c.max_trajectory_chars <= c.max_request_chars:
         problems.append(f"{where}.context: budgets must nest: max_message_chars <= max_trajectory_chars <= max_request_chars")
+    k = judge.compaction
+    if k is not None and not k.target_chars < k.trigger_chars:
+        problems.append(f"{where}.compaction: target_chars ({k.target_chars}) must be below trigger_chars ({k.trigger_chars})")
 
 
 def _in_range(v, meta) -> bool:

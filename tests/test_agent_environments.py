@@ -557,6 +557,31 @@ def test_a_group_the_judge_scored_alike_is_dropped_when_asked(tmp_path, tiny_mod
     assert [r["skip_reason"] for r in records] == (["degenerate_judge"] * 3 if drop else [None] * 3)
 
 
+def test_an_llm_judge_reads_compacted_transcripts_in_a_scripted_update(tmp_path, tiny_model, guess_server):
+    """[agent.judge] type = "ruler" end to end (the scripted endpoint of test_judge scores by
+    length): the longest transcript is over trigger_chars, so the members with more parts
+    than keep_last (turns, then the environment's state) are judged on a summary of the
+    earlier ones and their last two parts."""
+    from test_judge import Endpoint
+
+    endpoint = Endpoint("longer")
+    try:
+        cfg = write_config(tmp_path, model=tiny_model("llama"), judge=False,
+                           environment=f'[agent.environment]\ntype = "http"\nbase_url = "{guess_server.url}"')
+        cfg.write_text(cfg.read_text() + f'[agent.judge]\ntype = "ruler"\nbase_url = "{endpoint.url}"\nmodel = "judge"\n'
+                       "[agent.judge.compaction]\ntrigger_chars = 200\ntarget_chars = 100\nkeep_last = 2\n")
+        result, records, m, _ = scripted_run(cfg, [[call("guess", number=2)], [call("guess", number=3), call("guess", number=2)],
+                                                   [call("guess", number=1), call("guess", number=3), call("guess", number=2)]])
+    finally:
+        endpoint.close()
+    summaries = [b for b in endpoint.bodies if b["messages"][0]["content"].startswith("You shorten")]
+    (verdict,) = [b for b in endpoint.bodies if b not in summaries]
+    assert len(summaries) == 2 and m["judge/compacted_fraction"] == pytest.approx(2 / 3) and m["judge/groups"] == 1.0
+    assert verdict["messages"][1]["content"].count("[summary of the earlier turns]") == 2
+    assert all(r["terminal_reward"] is not None and 0 <= r["terminal_reward"] <= 1 for r in records)
+    assert result.updates_done == 1
+
+
 def test_a_scripted_update_with_mcp_tools(tmp_path, tiny_model, mcp_script):
     """An mcp server's tools in the prompt, its answers as observations, a server that exits
     mid-episode costs that trajectory (judged run: no environment)."""

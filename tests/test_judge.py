@@ -18,7 +18,13 @@ from test_bench_rollouts import write_adapter_for, write_grpo
 from test_grpo import metrics, write_config
 from test_serve import running, without_key
 
-from retrograd.config import JudgeContextSection, JudgeSection, JudgeStrategySection, load_config
+from retrograd.config import (
+    JudgeCompactionSection,
+    JudgeContextSection,
+    JudgeSection,
+    JudgeStrategySection,
+    load_config,
+)
 from retrograd.errors import ConfigError
 from retrograd.evaluation import bench
 from retrograd.recipes import grpo
@@ -71,6 +77,10 @@ class Endpoint:
         if self.behaviour == "no_schema" and body["response_format"]["type"] == "json_schema":
             return 400, {"error": {"message": "response_format json_schema is not supported", "param": "response_format"}}
         user = body["messages"][1]["content"]
+        if body["messages"][0]["content"].startswith("You shorten an agent's transcript"):  # compaction
+            earlier = user.split("Earlier turns:\n", 1)[1]
+            content = json.dumps({"summary": f"it wrote {len(earlier)} characters"})
+            return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
         if self.behaviour == "garbage":
             content = "I think the first one is better."
         elif "[response A]" in user:
@@ -188,6 +198,33 @@ def judged_config(tmp_path: Path, url: str, *, extra: str = "") -> Path:
 
 
 @pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
+def test_long_transcripts_are_compacted_once_per_group_at_temperature_0(endpoint, tmp_path):
+    """The longest member is over trigger_chars, so every member with more parts than
+    keep_last has its earlier parts summarised (asked at temperature 0 whatever the judge's,
+    then cached); the verdict reads the summaries and the last parts as they were."""
+    compaction = JudgeCompactionSection(trigger_chars=300, target_chars=100, keep_last=1)
+    section = ruler(endpoint.url, temperature=0.5, compaction=compaction, cache_path=tmp_path / "verdicts.jsonl")
+    group = [("x" * 200, "y" * 150, "final A"), ("short", "final B"), ("only part",)]
+    with RulerJudge(section) as judge:
+        verdicts = judge.score_group(TASK, group)
+        assert judge.metrics() == {"judge/requests": 3.0, "judge/cache_hit_rate": 0.0, "judge/compacted_fraction": pytest.approx(2 / 3)}
+    summaries, (verdict,) = endpoint.bodies[:2], endpoint.bodies[2:]
+    assert [b["temperature"] for b in summaries] == [0.0, 0.0] and verdict["temperature"] == 0.5
+    assert sorted(b["messages"][1]["content"].split("Earlier turns:\n")[1] for b in summaries) == ["short", "x" * 200 + "\n" + "y" * 150]
+    shown = verdict["messages"][1]["content"]
+    assert shown.count("[summary of the earlier turns]") == 2 and "it wrote 351 characters" in shown and "yyy" not in shown
+    assert all(part in shown for part in ("final A", "final B", "only part"))
+    assert len(verdicts) == 3
+    with RulerJudge(section) as again:  # a rerun: summaries and verdict from the cache
+        assert again.score_group(TASK, group) == verdicts
+        assert again.metrics()["judge/requests"] == 0.0
+    with RulerJudge(section) as short:  # under the trigger nothing is summarised
+        short.score_group(TASK, [("a", "b"), ("c",)])
+        assert short.metrics()["judge/compacted_fraction"] == 0.0
+    assert not any(b["messages"][0]["content"].startswith("You shorten") for b in endpoint.bodies[3:])
+
+
+@pytest.mark.parametrize("endpoint", ["longer"], indirect=True)
 def test_grpo_adds_the_weighted_verdict_to_the_reward(endpoint, tmp_path):
     result = grpo.run(load_config(judged_config(tmp_path, endpoint.url)), SilentReporter())
     assert result.updates_done == 2
@@ -219,6 +256,12 @@ BAD_JUDGES = [
     ('type = "ruler"\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\ncommand = ["x"]', "grpo.judge.command applies to type = 'command', not 'ruler'"),
     ('command = ["x"]\nmodel = "m"', "grpo.judge.model applies to type = 'ruler'"),
     ('type = "ruler"\nbase_url = "http://h/v1"\nmodel = "m"\n[grpo.judge.context]\nmax_message_chars = 9000', "budgets must nest"),
+    ('type = "ruler"\nbase_url = "http://h/v1"\nmodel = "m"\n[grpo.judge.compaction]\ntrigger_chars = 500\ntarget_chars = 500\n'
+     'keep_last = 1', "grpo.judge.compaction: target_chars (500) must be below trigger_chars (500)"),
+    ('type = "ruler"\nbase_url = "http://h/v1"\nmodel = "m"\n[grpo.judge.compaction]\ntrigger_chars = 500\ntarget_chars = 100',
+     "grpo.judge.compaction.keep_last is required"),
+    ('command = ["x"]\n[grpo.judge.compaction]\ntrigger_chars = 500\ntarget_chars = 100\nkeep_last = 1',
+     "grpo.judge.compaction applies to type = 'ruler'"),
 ]
 
 

@@ -337,7 +337,7 @@ class AgentRecipe:
         prompt = "\n".join(m["content"] for m in scenario.messages())
         with clock.phase("judge"):
             try:
-                verdicts = judge_group(self.task.judge, prompt, [group[k].completion for k in members], scenario.rubric)
+                verdicts = judge_group(self.task.judge, prompt, [group[k].transcript for k in members], scenario.rubric)
             except RewardError as error:
                 if self.a.judge_failure == "fail":
                     raise RewardError(f"[agent.judge] on scenario {scenario.id!r}: {error}") from None

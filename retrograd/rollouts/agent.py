@@ -165,8 +165,13 @@ class Trajectory:
     def completion(self) -> str:
         """What a judge reads: the assistant turns' text without end-of-generation tokens, then
         the environment's terminal state when it keeps one."""
-        text = "\n".join(turn.text for turn in self.turns)
-        return text if self.state is None else f"{text}\n[environment state]\n{self.state}"
+        return "\n".join(self.transcript)
+
+    @property
+    def transcript(self) -> tuple[str, ...]:
+        """`completion` in parts (each turn, then the state), which judge compaction keeps or summarises."""
+        turns = tuple(turn.text for turn in self.turns)
+        return turns if self.state is None else (*turns, f"[environment state]\n{self.state}")
 
     def token_advantages(self, advantage: float) -> torch.Tensor:
         """[] the group advantage, or [n_sampled] with the intermediate returns of the

@@ -18,6 +18,12 @@ times; then the group fails (JudgeError) and the run drops it or stops, as confi
 Verdicts are cached by content (model, messages, format, temperature) in `cache_path`, one
 JSON line each, so a rerun of the same requests asks nothing. Texts over their character
 budget keep `head_ratio` of it from the start and the rest from the end.
+
+An agent's transcript comes as its parts (the assistant turns, then the environment's
+state). With `[...judge.compaction]`, a group whose longest member is over `trigger_chars`
+has each member's parts but the last `keep_last` replaced by a summary of at most
+`target_chars`, written by the judge's model at temperature 0 (so cached and repeatable);
+the verdict then reads the summary and the last parts as they were.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from retrograd.config import JudgeContextSection, JudgeSection, JudgeStrategySection
+from retrograd.config import JudgeCompactionSection, JudgeContextSection, JudgeSection, JudgeStrategySection
 from retrograd.rollouts.rewards import RewardError
 
 RUBRIC = (
@@ -47,6 +53,11 @@ PAIRWISE_RUBRIC = (
     "instruction in the task. Answer tie only when neither is better."
 )
 EXPLANATION_CHARS = 200  # per verdict, bounded so a small judge cannot run on
+COMPACTION = (
+    "You shorten an agent's transcript for a grader who will judge the agent's work. Summarize the earlier "
+    "turns below in at most {chars} characters: what the agent tried, what it learned from its tools, the "
+    "errors it met and anything its later turns rely on. Report; do not judge."
+)
 SCORES = [k / 10 for k in range(11)]  # listwise scores a schema can enforce (it has no numeric bounds)
 
 
@@ -98,24 +109,29 @@ class RulerJudge:
         self.close()
 
     def metrics(self) -> dict[str, float]:
-        """Counters since the last call: requests, cache hits, position disagreements."""
+        """Counters since the last call: requests, cache hits, position disagreements, and the
+        share of judged members whose transcript was compacted."""
         with self.lock:
             c, self.counts = self.counts, Counter()
         asked = c["requests"] + c["cache_hits"]
         out = {"judge/requests": float(c["requests"]), "judge/cache_hit_rate": c["cache_hits"] / asked if asked else 0.0}
         if c["pair_checks"]:
             out["judge/position_disagreement"] = c["disagreements"] / c["pair_checks"]
+        if self.s.compaction is not None:
+            out["judge/compacted_fraction"] = c["compacted"] / c["members"] if c["members"] else 0.0
         return out
 
     # ---- one group
 
-    def score_group(self, prompt: str, completions: list[str], rubric: str | None = None) -> list[float]:
-        """Verdicts in [0, 1], one per completion; JudgeError when the judge fails."""
+    def score_group(self, prompt: str, completions: list[str | tuple[str, ...]], rubric: str | None = None) -> list[float]:
+        """Verdicts in [0, 1], one per completion (a text, or a transcript's parts); JudgeError
+        when the judge fails."""
         if not completions:
             return []
         task = elide(prompt, self.context.max_message_chars, self.context.head_ratio)
+        parts = [(c,) if isinstance(c, str) else tuple(c) for c in completions]
         budget = min(self.context.max_trajectory_chars, self.context.max_message_chars)
-        texts = [elide(c, budget, self.context.head_ratio) for c in completions]
+        texts = [elide(text, budget, self.context.head_ratio) for text in self._compacted(task, parts)]
         if len(texts) == 1:
             return self._listwise(task, texts, rubric)  # nothing to compare with: an absolute score
         mode = self.strategy.mode
@@ -124,6 +140,40 @@ class RulerJudge:
         if mode == "listwise" or (mode == "auto" and self._fits(task, texts)):
             return self._listwise(task, texts, rubric)
         return self._chunked(task, texts, rubric)
+
+    def _compacted(self, task: str, parts: list[tuple[str, ...]]) -> list[str]:
+        """Each transcript as the judge reads it: its parts joined, or, when compaction applies
+        to the group (its longest member is over trigger_chars), a summary of the parts but
+        the last keep_last, then those."""
+        whole = ["\n".join(p) for p in parts]
+        k: JudgeCompactionSection | None = self.s.compaction
+        with self.lock:
+            self.counts["members"] += len(parts)
+        if k is None or max(map(len, whole)) <= k.trigger_chars:
+            return whole
+        out = []
+        for p, text in zip(parts, whole):
+            if len(p) <= k.keep_last:
+                out.append(text)
+                continue
+            summary = self._summary(task, "\n".join(p[: -k.keep_last]), k.target_chars)
+            out.append("\n".join([f"[summary of the earlier turns]\n{summary}", "[the last turns]", *p[-k.keep_last:]]))
+            with self.lock:
+                self.counts["compacted"] += 1
+        return out
+
+    def _summary(self, task: str, earlier: str, chars: int) -> str:
+        room = max(self.context.max_request_chars - len(task) - 1000, 1000)
+        user = f"Task:\n{task}\n\nEarlier turns:\n{elide(earlier, room, self.context.head_ratio)}"
+        schema = {"type": "object", "required": ["summary"], "properties": {"summary": {"type": "string", "maxLength": chars}}}
+
+        def read(reply: Any) -> str:
+            summary = reply.get("summary") if isinstance(reply, dict) else None
+            if not isinstance(summary, str) or not summary.strip():
+                raise ValueError('no "summary" string')
+            return elide(summary.strip(), chars, self.context.head_ratio)  # plain JSON mode has no maxLength
+
+        return self._ask(COMPACTION.format(chars=chars), user, schema, read, temperature=0.0)
 
     def _fits(self, task: str, texts: list[str]) -> bool:
         return len(task) + sum(len(t) + 40 for t in texts) + len(self.s.rubric or RUBRIC) + 400 <= self.context.max_request_chars
@@ -230,15 +280,17 @@ class RulerJudge:
 
     # ---- one request
 
-    def _ask(self, system: str, user: str, schema: dict, read):
-        """read(the reply's JSON), from the cache or the endpoint, with retries."""
+    def _ask(self, system: str, user: str, schema: dict, read, temperature: float | None = None):
+        """read(the reply's JSON), from the cache or the endpoint, with retries (at the judge's
+        temperature unless told)."""
         problem = ""
+        temperature = self.s.temperature if temperature is None else temperature
         for attempt in range(self.s.max_retries + 1):
             body = {"model": self.s.model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
                     "response_format": ({"type": "json_object"} if self.plain_json else
                                         {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}})}
-            if self.s.temperature is not None:
-                body["temperature"] = self.s.temperature
+            if temperature is not None:
+                body["temperature"] = temperature
             key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
             with self.lock:
                 cached = self.cache.get(key)
@@ -302,8 +354,9 @@ def make_judge(section: JudgeSection):
     return OneshotCommandReward(section.command, section.timeout)
 
 
-def judge_group(judge, prompt: str, completions: list[str], rubric: str | None = None) -> list[float]:
-    """One group's verdicts from either kind of judge (a command sees no rubric)."""
+def judge_group(judge, prompt: str, completions: list[str | tuple[str, ...]], rubric: str | None = None) -> list[float]:
+    """One group's verdicts from either kind of judge (a command sees no rubric, and a
+    transcript's parts joined by newlines)."""
     if isinstance(judge, RulerJudge):
         return judge.score_group(prompt, completions, rubric)
-    return judge.score([prompt] * len(completions), completions)
+    return judge.score([prompt] * len(completions), [c if isinstance(c, str) else "\n".join(c) for c in completions])
