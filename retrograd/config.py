@@ -695,6 +695,9 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append(f"checkpoint.mode = {ckpt.mode!r} needs an [evaluation] section")
         if ckpt.resume_from is not None and s["lora"].init_adapter is not None:
             problems.append("checkpoint.resume_from and lora.init_adapter exclude each other")
+    init = s["lora"].init_adapter
+    if init is not None and not init.is_file():
+        problems.append(f"lora.init_adapter = {str(init)!r}: no such file (a LoRA GGUF to start from)")
 
 
 def _default_tis_cap(s: dict, algorithm: str, notes: list[str]) -> None:

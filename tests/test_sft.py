@@ -227,3 +227,28 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model)
     assert "step-000000000001.state" in lines[0] and "--resume" in lines[0]
     assert not (tmp_path / "out/adapter.gguf").exists()
     assert (tmp_path / "ckpt/step-000000000001.state/manifest.json").is_file()
+
+
+def test_a_run_starts_from_lora_init_adapter_and_a_missing_one_stops_it_first(tmp_path, tiny_model):
+    """The warm start (collect -> SFT -> GRPO): the adapter of an earlier run is the new run's
+    starting point, weight for weight; a path that is not there is one line before the model loads."""
+    from retrograd.recipes.common import open_chat, prepare
+
+    base = tiny_model("llama")
+    (tmp_path / "first").mkdir()
+    first = sft.run(load_config(write_config(tmp_path / "first", base)), SilentReporter()).output
+    (tmp_path / "second").mkdir()
+    cfg = write_config(tmp_path / "second", base)
+    cfg.write_text(cfg.read_text().replace('dtype = "f32"\n', f'dtype = "f32"\ninit_adapter = "{first}"\n', 1))
+    config = load_config(cfg)
+    setup = prepare(config, SilentReporter(), open_chat(config))
+    loaded = read_adapter(first)
+    assert set(setup.adapter.layers) == set(loaded.tensors)
+    for name, layer in setup.adapter.layers.items():
+        assert (layer.lora_a.detach().numpy() == loaded.tensors[name].a).all()
+        assert (layer.lora_b.detach().numpy() == loaded.tensors[name].b).all()
+    cfg.write_text(cfg.read_text().replace(str(first), "missing.gguf"))
+    r = subprocess.run([*RETROGRAD, "train", str(cfg)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "loading model" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.strip() == f"error: {cfg}: lora.init_adapter = '{tmp_path / 'second' / 'missing.gguf'}': no such file " \
+        "(a LoRA GGUF to start from)", r.stderr
