@@ -166,6 +166,14 @@ def test_keep_min_reward_and_a_tokenization_the_tokenizer_would_not_choose(run, 
     assert (tmp_path / "traces.jsonl").read_text() == ""
 
 
+def test_a_turn_cut_by_its_token_budget_is_not_written(run, tmp_path):
+    """A reply longer than max_new_tokens_per_turn never sampled its end of turn, which SFT
+    on the record would teach: dropped as turn_cut, whatever its reward."""
+    result, _, rolled = run([["many words " * 40]], min_reward=0.0, keep=6, limit=1)
+    assert all(t.turns[-1].finish == "length" and not t.truncated for t in rolled)
+    assert result.written == 0 and result.dropped == {"turn_cut": 6}
+
+
 def test_pairs_are_best_against_worst_and_respect_min_gap(run, tmp_path):
     result, task, rolled = run(pairs=True, limit=1)
     assert result.written == 1

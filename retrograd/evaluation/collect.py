@@ -15,8 +15,9 @@ rollout's tokens and mask; one that differs (a tokenization the tokenizer would 
 produce, a turn the template renders differently) is dropped as `not_reproducible`.
 
 Every trajectory that is not written is counted under one cause: failed and truncated (with
-their stop reason), unscored (the judge failed), malformed_call, not_verified (with
-require_verified), not_successful or below_min_reward, duplicate (the same record as one kept), over_keep, not_reproducible.
+their stop reason), unscored (the judge failed), malformed_call, turn_cut (a turn that hit
+max_new_tokens_per_turn), not_verified (with require_verified), not_successful or
+below_min_reward, duplicate (the same record as one kept), over_keep, not_reproducible.
 """
 
 from __future__ import annotations
@@ -208,6 +209,8 @@ def drop_cause(s: ScoredTrajectory, min_reward: float | None, require_verified: 
         return "unscored"
     if any(turn.note not in (None, ERROR_PREFIX + NO_CALL) for turn in t.turns):
         return "malformed_call"  # no record can hold a turn whose calls do not parse
+    if any(turn.finish == "length" for turn in t.turns):
+        return "turn_cut"  # SFT would train the end of a turn the policy never ended (max_new_tokens_per_turn)
     if require_verified and not verified(t):
         return "not_verified"
     if min_reward is None:
