@@ -116,6 +116,7 @@ def test_predictions_match_a_real_run(tmp_path, shape):
     assert probe.total_units == steps
 
 
+@pytest.mark.slow  # ~36 s, two probes; the default suite keeps the ladder's and the planner's own tests
 def test_a_run_over_budget_gets_the_first_rung_that_fits(tmp_path):
     """Under a budget below the run's peak the probe is stopped, and the planner names a
     smaller micro-batch (with the accumulation that keeps the step's size) that fits."""
