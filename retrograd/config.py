@@ -293,8 +293,9 @@ class JudgeContextSection:
 @section
 class JudgeCompactionSection:
     """Long agent transcripts summarised before judging: when a group's longest member is over
-    `trigger_chars`, each member's turns but the last `keep_last` become a summary of at most
-    `target_chars` (asked of the judge's model at temperature 0, cached)."""
+    `trigger_chars`, each member's parts (its turns, then the environment's state) but the last
+    `keep_last` become a summary of at most `target_chars` (asked of the judge's model at
+    temperature 0, cached)."""
 
     trigger_chars: int = key(ge=200)
     target_chars: int = key(ge=100)

@@ -425,6 +425,17 @@ def test_mcp_json_files_are_read_with_their_variables(tmp_path, monkeypatch):
         server_options((), "mcp.json", tmp_path, environment=True)
 
 
+
+def test_an_mcp_json_variable_is_expanded_once(tmp_path, monkeypatch):
+    """A value that itself holds `${...}` is the value, not another variable to look up."""
+    monkeypatch.setenv("RETROGRAD_TEST_TOKEN", "a${RETROGRAD_TEST_UNSET_VAR}b")
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {
+        "files": {"command": "run", "args": ["${RETROGRAD_TEST_TOKEN}"], "env": {"T": "${RETROGRAD_TEST_TOKEN}"}},
+        "web": {"url": "http://127.0.0.1:9/mcp", "headers": {"Authorization": "${RETROGRAD_TEST_TOKEN}"}}}}))
+    files, web = server_options((), "mcp.json", tmp_path)
+    literal = "a${RETROGRAD_TEST_UNSET_VAR}b"
+    assert files.command == ("run", literal) and files.env == (("T", literal),) and web.headers == (("Authorization", literal),)
+
 @pytest.mark.parametrize("servers, config, needle", [
     ([{"name": "a", "command": ["x"], "url": "http://x"}], None, "agent.mcp_servers[0]: give exactly one of command"),
     ([{"name": "a"}], None, "agent.mcp_servers[0]: give exactly one of command"),

@@ -1,4 +1,5 @@
-"""How much memory one forward keeps for backward: preflight's "activations" line."""
+"""How much memory one forward keeps for backward (preflight's "activations" line), and so
+how many small micro-batches can merge into one pass in the same memory."""
 
 from __future__ import annotations
 

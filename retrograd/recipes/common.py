@@ -80,9 +80,9 @@ class Setup:
         return keep_dense(t.frozen_weights(), t.compute_dtype, dense_budget(self.device).nbytes)
 
     def merging(self, spread: bool = False) -> Merging | None:
-        """How a step's small micro-batches merge into fewer passes in the same memory
-        (activation_memory.merging); None under torchrun (`spread`), whose ranks deal out the
-        micro-batches."""
+        """How an update's small micro-batches (the rollout algorithms') merge into fewer passes
+        in the same memory (activation_memory.merging); None under torchrun (`spread`), whose
+        ranks deal out the micro-batches."""
         t, transformer = self.cfg.training, self.model.transformer
         if spread:
             return None

@@ -183,10 +183,12 @@ def _mcp_json(path: Path, problems: list[str]) -> list[tuple[str, dict]]:
     tables = []
     for name, entry in servers.items():
         at = f"{where} mcpServers.{name}"
-        entry = _expanded(entry, at, problems)
         if not isinstance(entry, dict):
             problems.append(f"{at}: expected an object with command, args, env")
             continue
+        # env and headers are expanded by _server, as a TOML table's are: once
+        entry = {key: value if key in ("env", "headers") else _expanded(value, f"{at}.{key}", problems)
+                 for key, value in entry.items()}
         kind = entry.get("type", "streamable_http" if "url" in entry else "stdio")
         if "url" in entry or kind in ("http", "streamable_http", "streamable-http"):
             unknown = [key for key in entry if key not in ("url", "headers", "type", *SERVER_KEYS)]
