@@ -328,6 +328,19 @@ class JudgeSection:
 
 
 @section
+class CollectApiSection:
+    """`[agent.collect_api]`: an OpenAI-compatible chat endpoint that `collect --api` rolls
+    out with instead of the local model (its tool calls come back structured)."""
+
+    base_url: str = key()  # e.g. http://127.0.0.1:8080/v1 (retrograd serve)
+    model: str = key()
+    api_key_env: str = key("OPENAI_API_KEY")  # the key's environment variable; unset: no key is sent
+    timeout_secs: float = key(120.0, gt=0)  # per request
+    temperature: float | None = key(None, ge=0)  # None: the endpoint's default
+    max_retries: int = key(2, ge=0)  # a request that fails this many more times breaks that trajectory
+
+
+@section
 class AgentSection:
     scenarios: Path = key()
     updates: int = key(1, ge=1)
@@ -362,6 +375,7 @@ class AgentSection:
     mcp_servers: tuple = key(())  # [[agent.mcp_servers]] tables: validated by retrograd.rollouts.mcp_tools
     mcp_config: object = key(None)  # an mcp.json path or a list of them: validated by retrograd.rollouts.mcp_tools
     judge: JudgeSection | None = key(None)
+    collect_api: CollectApiSection | None = key(None)
 
 
 @section
@@ -683,6 +697,8 @@ def _cross_checks(s: dict, algorithm: str, explicit: set[str], problems: list[st
             problems.append("[agent] needs [agent.environment], [agent.judge] or both")
         if agent.judge is not None:
             _judge_checks(agent.judge, "agent.judge", problems)
+        if agent.collect_api is not None:
+            _endpoint_checks(agent.collect_api, "agent.collect_api", problems)
         if agent.top_p < 1:
             problems.append(_truncated_sampling("agent.top_p", agent.top_p))
     ckpt: CheckpointSection | None = s.get("checkpoint")
@@ -810,16 +826,20 @@ def _judge_checks(judge: JudgeSection, where: str, problems: list[str]) -> None:
     for k in ("base_url", "model"):
         if getattr(judge, k) is None:
             problems.append(f"{where}.{k} is required with type = 'ruler'")
-    if judge.base_url is not None and not re.match(r"^https?://[^/\s]+", judge.base_url):
-        problems.append(f"{where}.base_url: {judge.base_url!r} is not an http(s):// URL")
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", judge.api_key_env):
-        problems.append(f"{where}.api_key_env: not the name of an environment variable (letters, digits and _)")
+    _endpoint_checks(judge, where, problems)
     c = judge.context
     if c is not None and not c.max_message_chars <= c.max_trajectory_chars <= c.max_request_chars:
         problems.append(f"{where}.context: budgets must nest: max_message_chars <= max_trajectory_chars <= max_request_chars")
     k = judge.compaction
     if k is not None and not k.target_chars < k.trigger_chars:
         problems.append(f"{where}.compaction: target_chars ({k.target_chars}) must be below trigger_chars ({k.trigger_chars})")
+
+
+def _endpoint_checks(section: JudgeSection | CollectApiSection, where: str, problems: list[str]) -> None:
+    if section.base_url is not None and not re.match(r"^https?://[^/\s]+", section.base_url):
+        problems.append(f"{where}.base_url: {section.base_url!r} is not an http(s):// URL")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", section.api_key_env):
+        problems.append(f"{where}.api_key_env: not the name of an environment variable (letters, digits and _)")
 
 
 def _in_range(v, meta) -> bool:

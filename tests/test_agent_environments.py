@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from loopback import send_json
 from test_agent import ScriptedPolicy, call
 from test_agent_grpo import LENGTH_JUDGE, RETROGRAD
 
@@ -81,22 +82,22 @@ class GuessServer:
             return self._hang_up(handler)
         route = handler.path
         if method == "GET" and route == "/tools":
-            return _reply(handler, 200, {"tools": [GUESS]})
+            return send_json(handler, 200, {"tools": [GUESS]})
         if method == "POST" and route == "/reset":
             env_id = f"e{len(self.resets)}"
             self.resets.append(body)
             self.episodes[env_id] = {"guesses": [], "solved": False}
             opening = None if self.opening is None else self.opening.format(seed=body["seed"])
-            return _reply(handler, 200, {"env_id": env_id, "observation": opening})
+            return send_json(handler, 200, {"env_id": env_id, "observation": opening})
         if method == "POST" and route == "/step":
             return self._step(handler, body["env_id"], body["call"])
         if method == "GET" and route.startswith("/state/"):
             state = self.episodes.get(route.removeprefix("/state/"))
-            return _reply(handler, 200, state) if state is not None else _reply(handler, 404, {})
+            return send_json(handler, 200, state) if state is not None else send_json(handler, 404, {})
         if method == "POST" and route == "/close":
             self.closed.append(body["env_id"])
-            return _reply(handler, 200, {})
-        return _reply(handler, 400, {"error": "no such route"})
+            return send_json(handler, 200, {})
+        return send_json(handler, 400, {"error": "no such route"})
 
     def _step(self, handler, env_id: str, action: dict):
         number = action["arguments"]["number"]
@@ -114,7 +115,7 @@ class GuessServer:
             stop.join()
             return self._hang_up(handler)
         if number == GONE or env_id not in self.episodes:
-            return _reply(handler, 404, {"error": "unknown env_id"})
+            return send_json(handler, 404, {"error": "unknown env_id"})
         episode = self.episodes[env_id]
         episode["guesses"].append(number)
         right = number == SECRET
@@ -122,21 +123,12 @@ class GuessServer:
         reward = 1.0 if right else WRONG
         self.rewards.append(reward)
         hint = "right" if right else "higher" if number < SECRET else "lower"
-        return _reply(handler, 200, {"result": hint, "reward": reward, "done": right})
+        return send_json(handler, 200, {"result": hint, "reward": reward, "done": right})
 
     @staticmethod
     def _hang_up(handler):
         handler.close_connection = True
         handler.connection.close()
-
-
-def _reply(handler, status: int, body: dict):
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """`retrograd collect`: scripted trajectories through a real local environment become SFT
-tool records that the SFT loader turns back into exactly the rollout's tokens and mask;
-the filters (--keep, --min-reward, duplicates), --pairs, the atomic write, the report, and
-bad input refused on one line."""
+tool records that the SFT loader turns back into exactly the rollout's tokens and mask (or,
+--structured, into content and tool_calls); the filters (--keep, --min-reward, duplicates),
+--pairs, the atomic write, the report, bad input refused on one line; and --api, with an
+OpenAI-shaped endpoint on loopback (scripted, and a real `retrograd serve`) as the policy."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from loopback import JsonEndpoint
 from test_agent import call
+from test_serve import running, without_key
 
 from retrograd.config import load_config
 from retrograd.data.preference import load_preference
@@ -258,3 +261,140 @@ def test_a_cli_run_on_smollm2(tmp_path, smollm2):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["scenarios"][0]["attempts"] == 4 and report["records"] + sum(report["dropped"].values()) == 4
     assert not (tmp_path / "traces.jsonl.tmp").exists() and len(out.read_text().splitlines()) == report["records"]
+
+
+def test_structured_records_hold_words_and_calls_apart(run, tmp_path):
+    """--structured: each turn's words as content and its calls as tool_calls, answered by id;
+    the SFT loader takes them, and on this template they train the same tokens as raw ones."""
+    result, task, rolled = run(min_reward=0.0, keep=6, limit=1, structured=True)
+    records = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and result.dropped == {"duplicate": 1, "truncated (max_turns)": 1, "malformed_call": 1}
+    assert records[0]["messages"][2:] == [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "write_file",
+                                                                          "arguments": {"path": "answer.txt", "content": "42"}}}]},
+        {"role": "tool", "content": records[0]["messages"][3]["content"], "tool_call_id": "call_0"},
+        {"role": "assistant", "content": "Done."}]
+    assert not any(m.get("raw") for r in records for m in r["messages"])
+    data = load_sft(tmp_path / "traces.jsonl", task.chat, ctx=1024)
+    for example, t in zip(data.examples, [rolled[m] for m in (0, 3, 1)], strict=True):
+        assert_is_the_rollout(example.ids, example.mask, t)
+
+
+class ApiPolicy(JsonEndpoint):
+    """An OpenAI-shaped /chat/completions on 127.0.0.1 playing the agent: a conversation's
+    member is its request's seed less the turn (assistant messages so far) less BASE_SEED, and
+    member j says API_SCRIPTS[j % 4] turn by turn."""
+
+    def __init__(self):
+        super().__init__(self.answer)
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        turn = sum(m["role"] == "assistant" for m in body["messages"])
+        script = API_SCRIPTS[(body["seed"] - turn - BASE_SEED) % len(API_SCRIPTS)]
+        if script == "down":
+            return 500, {"error": {"message": "down"}}
+        message = script[turn]
+        return 200, {"choices": [{"index": 0, "message": {"role": "assistant"} | message,
+                                  "finish_reason": "tool_calls" if "tool_calls" in message else "stop"}],
+                     "usage": {"completion_tokens": 7}}
+
+
+BASE_SEED = 42  # [agent].seed's default
+
+
+def api_call(name: str, arguments: str) -> dict:
+    return {"content": None, "tool_calls": [{"id": "x1", "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+API_SCRIPTS = [
+    [api_call("write_file", json.dumps({"path": "answer.txt", "content": "42"})), {"content": "Done."}],  # passes
+    [{"content": "I give up."}],  # complete, reward 0
+    [api_call("write_file", "{not json"), {"content": "ok"}],  # a malformed call
+    "down",  # every request fails
+]
+
+
+@pytest.fixture
+def api_policy():
+    served = ApiPolicy()
+    yield served
+    served.close()
+
+
+def test_api_collects_structured_records_from_an_endpoint(tmp_path, tiny_model, api_policy):
+    """--api: the endpoint is the policy in the real local environment; the passing trace is
+    written as a structured record the SFT loader takes, a malformed call and a broken endpoint
+    are dropped by cause, and what the endpoint was sent is an OpenAI conversation."""
+    cfg = write_config(tmp_path, tiny_model("llama"))
+    cfg.write_text(cfg.read_text().replace(f"group_size = {len(SCRIPTS)}", "group_size = 4")
+                   + f'[agent.collect_api]\nbase_url = "{api_policy.url}"\nmodel = "scripted"\nmax_retries = 1\n')
+    out = tmp_path / "traces.jsonl"
+    proc = subprocess.run([*RETROGRAD, "collect", str(cfg), "--out", str(out), "--api", "--report", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"policy: scripted at {api_policy.url}" in proc.stdout, proc.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["records"] == 1 and report["dropped"] == {"not_successful": 1, "malformed_call": 1, "failed (policy_broken)": 1}
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [m["role"] for m in record["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert record["messages"][2]["tool_calls"][0]["function"] == {"name": "write_file", "arguments": {"path": "answer.txt", "content": "42"}}
+    assert record["messages"][3]["tool_call_id"] == "call_0" and record["messages"][4] == {"role": "assistant", "content": "Done."}
+    task = open_task(load_config(cfg), SilentReporter())
+    try:
+        (example,) = load_sft(out, task.chat, ctx=1024).examples
+        assert any(example.mask) and not all(example.mask)
+    finally:
+        task.close()
+    second = next(b for b in api_policy.bodies if len(b["messages"]) == 4 and b["messages"][2].get("tool_calls"))
+    assert second["model"] == "scripted" and second["max_tokens"] == 64
+    assert [t["function"]["name"] for t in second["tools"]] == ["write_file", "submit"]
+    assert json.loads(second["messages"][2]["tool_calls"][0]["function"]["arguments"]) == {"path": "answer.txt", "content": "42"}
+    assert second["messages"][3]["role"] == "tool" and second["messages"][3]["tool_call_id"] == "call_0"
+    broken = [b for b in api_policy.bodies if b["seed"] == BASE_SEED + 3 and len(b["messages"]) == 2]
+    assert len(broken) == 2  # the broken member's first request, retried once
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ([], "--api needs an [agent.collect_api] table"),
+    (["--raw"], "--raw needs the local model's own tokens"),
+    (["--model", "x.gguf"], "--model applies to the local model, not to --api"),
+])
+def test_api_misuse_is_one_line_and_exit_2(tmp_path, tiny_model, extra, needle):
+    cfg = write_config(tmp_path, tiny_model("llama"))
+    if extra:
+        cfg.write_text(cfg.read_text() + '[agent.collect_api]\nbase_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n')
+    proc = subprocess.run([*RETROGRAD, "collect", str(cfg), "--out", str(tmp_path / "x.jsonl"), "--api", *extra],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_api_with_a_real_retrograd_serve(tmp_path, smollm2):
+    """The bundled model behind `retrograd serve` on loopback as the policy: every trajectory
+    is accounted for, and whatever is written the SFT loader takes."""
+    echo = {"id": "echo", "system": "You only answer with a tool call.",
+            "user": f"{WRITE_42}\nRepeat exactly the text above.", "metadata": SCENARIOS[0]["metadata"]}
+    with running("--ctx", "1024", env=without_key()) as url:
+        cfg = write_config(tmp_path, smollm2, scenarios=[echo])
+        cfg.write_text(cfg.read_text().replace(f"group_size = {len(SCRIPTS)}", "group_size = 2")
+                       .replace("max_new_tokens_per_turn = 64", "max_new_tokens_per_turn = 256")
+                       + f'[agent.collect_api]\nbase_url = "{url}"\nmodel = "base"\ntemperature = 0\n')
+        out = tmp_path / "traces.jsonl"
+        proc = subprocess.run([*RETROGRAD, "collect", str(cfg), "--out", str(out), "--api", "--min-reward", "0", "--keep", "2",
+                               "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+        cfg.write_text(cfg.read_text().replace('model = "base"', 'model = "gpt-9"'))
+        refused = subprocess.run([*RETROGRAD, "collect", str(cfg), "--out", str(tmp_path / "x.jsonl"), "--api"],
+                                 capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "agent.collect_api: " in refused.stderr and "refused the request with 404" in refused.stderr and "gpt-9" in refused.stderr
+    assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "x.jsonl.tmp").exists()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["scenarios"][0]["attempts"] == 2 and report["records"] + sum(report["dropped"].values()) == 2
+    assert not any("policy_broken" in cause for cause in report["dropped"]), report
+    task = open_task(load_config(cfg), SilentReporter())
+    try:
+        assert len(load_sft(out, task.chat, ctx=1024).examples) == report["records"]
+    finally:
+        task.close()

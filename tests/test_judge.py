@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import re
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
+from loopback import JsonEndpoint
 from test_bench_rollouts import write_adapter_for, write_grpo
 from test_grpo import metrics, write_config
 from test_serve import running, without_key
@@ -43,33 +42,14 @@ def ruler(base_url: str, **keys) -> JudgeSection:
 # ---- a scripted endpoint
 
 
-class Endpoint:
+class Endpoint(JsonEndpoint):
     """An OpenAI-shaped /chat/completions on 127.0.0.1 that answers as `behaviour` says:
     "longer" (listwise: score by length; pairwise: the longer wins), "fail" (500),
     "garbage" (200 with prose), "no_schema" (400 for a JSON schema, else "longer")."""
 
     def __init__(self, behaviour: str):
-        self.behaviour, self.bodies = behaviour, []
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                endpoint.bodies.append(body)
-                status, reply = endpoint.answer(body)
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.behaviour = behaviour
+        super().__init__(self.answer)
 
     def answer(self, body: dict) -> tuple[int, dict]:
         if self.behaviour == "fail":
@@ -93,10 +73,6 @@ class Endpoint:
                        "score": min(1.0, len(block.split("]\n", 1)[1].strip()) / 40)} for block in blocks]
             content = json.dumps({"scores": scores})
         return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

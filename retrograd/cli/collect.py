@@ -47,16 +47,30 @@ def collect(
     ] = False,
     min_gap: Annotated[float | None, typer.Option("--min-gap", min=0.0, help="--pairs: skip a scenario whose reward gap is below this (default 0.5).")] = None,
     adapter: Annotated[Path | None, typer.Option("--adapter", help="LoRA GGUF to sample with (default: \\[lora].init_adapter, else the base model).")] = None,
+    api: Annotated[
+        bool,
+        typer.Option("--api", help="Roll out with \\[agent.collect_api]'s OpenAI-compatible endpoint instead of the local model "
+                                   "(records are structured)."),
+    ] = False,
+    structured: Annotated[
+        bool | None,
+        typer.Option("--structured/--raw",
+                     help="Turns as content + tool_calls, which any model's template renders (default with --api), or as the "
+                          "exact text sampled, which re-tokenizes as the rollout did (default for the local model)."),
+    ] = None,
     model: ModelOpt = None,
     device: Annotated[str | None, typer.Option("--device", help="auto, cpu or gpu (overrides \\[model].device).")] = None,
 ) -> None:
     """Roll out an agent_grpo config's scenarios (nothing is trained) and write the successful traces as SFT tool records."""
     from retrograd.config import load_config
+    from retrograd.errors import ConfigError
     from retrograd.evaluation.collect import CollectOptions, collect as run_collect
 
+    if api and (model is not None or device is not None):
+        raise ConfigError(f"{'--model' if model is not None else '--device'} applies to the local model, not to --api")
     cfg = load_config(config).with_overrides(model=model, device=device)
     options = CollectOptions(out=out, k=k, keep=keep, min_reward=min_reward, require_verified=require_verified, limit=limit, seed=seed, report=report,
-                             force=force, pairs=pairs, min_gap=min_gap, adapter=adapter)
+                             force=force, pairs=pairs, min_gap=min_gap, adapter=adapter, api=api, structured=structured)
     reporter = ConsoleReporter()
     reporter.message("collect")
     reporter.message(f"  config: {cfg.path}")

@@ -55,6 +55,14 @@ def call_markup(calls: list[ToolCall]) -> str:
     )
 
 
+def text_around_calls(text: str) -> str:
+    """An assistant turn's words besides its calls: the text before the first `<tool_call>`
+    and after the last `</tool_call>` (not an open block's beginning), joined."""
+    opened, closed = text.find(CALL_OPEN), text.rfind(CALL_CLOSE)
+    after = text[closed + len(CALL_CLOSE) :].split(CALL_OPEN)[0]
+    return "\n".join(part for part in (text[:opened].strip(), after.strip()) if part)
+
+
 def observation(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 

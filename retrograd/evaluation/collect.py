@@ -8,16 +8,24 @@ AgentRecipe.score (verify, an http environment's step rewards, the judge). Scena
 `k` times with seeds seed + i*k + j.
 
 Each record is the conversation the policy saw: the scenario's messages, every assistant
-turn as the raw text it sampled (`"raw": true`, so its <tool_call> blocks are the calls) and
-every observation as a `tool` message. SFT must teach exactly what the policy did, so each
-record is encoded by the SFT loader's own code (data.sft.chat_example) and compared with the
-rollout's tokens and mask; one that differs (a tokenization the tokenizer would not
-produce, a turn the template renders differently) is dropped as `not_reproducible`.
+turn, and every observation as a `tool` message. A turn is written in one of two forms:
+- raw (the default for the local model): the text it sampled (`"raw": true`, so its
+  <tool_call> blocks are the calls). SFT must teach exactly what the policy did, so each
+  record is encoded by the SFT loader's own code (data.sft.chat_example) and compared with
+  the rollout's tokens and mask; one that differs (a tokenization the tokenizer would not
+  produce, a turn the template renders differently) is dropped as `not_reproducible`.
+- structured (`--structured`, and always with `--api`): its words as `content` and its calls
+  as `tool_calls`, which any model's template renders its own way, so a student of another
+  family can learn from it; one the SFT loader refuses is dropped as `not_loadable`.
+
+With `api`, the policy is `[agent.collect_api]`'s OpenAI-compatible endpoint instead of the
+local model (rollouts.api_agent): the same episodes, tools and scoring.
 
 Every trajectory that is not written is counted under one cause: failed and truncated (with
 their stop reason), unscored (the judge failed), malformed_call, turn_cut (a turn that hit
 max_new_tokens_per_turn), not_verified (with require_verified), not_successful or
-below_min_reward, duplicate (the same record as one kept), over_keep, not_reproducible.
+below_min_reward, duplicate (the same record as one kept), over_keep, not_reproducible (raw)
+or not_loadable (structured).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +42,13 @@ from typing import IO
 from retrograd.config import Config
 from retrograd.data.sft import chat_example
 from retrograd.data.shapes import Chat
-from retrograd.data.tools import ERROR_PREFIX
+from retrograd.data.tools import ERROR_PREFIX, ToolCall, text_around_calls
 from retrograd.errors import ConfigError, DataError
 from retrograd.gguf.adapter import read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.recipes.agent_grpo import AgentRecipe, AgentTask, ScoredTrajectory, open_task, sampler_options
-from retrograd.rollouts.agent import NO_CALL, Request, Trajectory
+from retrograd.rollouts.agent import NO_CALL, AgentRollouts, Request, Trajectory
+from retrograd.rollouts.api_agent import EndpointPolicy, EndpointRollouts
 from retrograd.runtime.bundled import default_model_path
 from retrograd.sampler import Sampler
 from retrograd.training.report import Reporter
@@ -63,6 +72,12 @@ class CollectOptions:
     pairs: bool = False
     min_gap: float | None = None  # pairs only (default DEFAULT_MIN_GAP)
     adapter: Path | None = None  # default lora.init_adapter; None there too: the base model
+    api: bool = False  # roll out with [agent.collect_api]'s endpoint instead of the local model
+    structured: bool | None = None  # records' turns as content + tool_calls; None: raw locally, structured with api
+
+    @property
+    def form(self) -> RecordForm:
+        return STRUCTURED if (self.api if self.structured is None else self.structured) else RAW
 
 
 @dataclass(frozen=True)
@@ -114,16 +129,27 @@ def check_request(cfg: Config, options: CollectOptions) -> None:
         raise DataError(f"--out {options.out}: the file exists; pass --force to overwrite it")
     if options.min_gap is not None and not options.pairs:
         raise ConfigError("--min-gap applies to --pairs only")
+    if options.api and cfg.agent.collect_api is None:
+        raise ConfigError(f"{cfg.path}: --api needs an [agent.collect_api] table (base_url, model) naming the endpoint")
+    if options.api and options.structured is False:
+        raise ConfigError("--raw needs the local model's own tokens; with --api the records are structured")
+    if options.api and options.adapter is not None:
+        raise ConfigError("--adapter applies to the local model, not to --api")
 
 
 def collect(cfg: Config, options: CollectOptions, reporter: Reporter) -> CollectResult:
-    """Opens the task and the llama.cpp sampler (with the adapter, when there is one) and collects."""
+    """Opens the task and the llama.cpp sampler (with the adapter, when there is one), or the
+    endpoint with `api`, and collects."""
     check_request(cfg, options)
     model = cfg.model.path or default_model_path()
-    adapter_path = options.adapter or cfg.lora.init_adapter
+    adapter_path = None if options.api else options.adapter or cfg.lora.init_adapter
     adapter = read_fitting_adapter(Path(adapter_path), GGUFFile(model)) if adapter_path else None
     task = open_task(cfg, reporter)
     try:
+        if options.api:
+            with EndpointPolicy(cfg.agent.collect_api) as policy:
+                reporter.message(f"policy: {policy.describe()}; records are structured, tokenized with the model's template")
+                return collect_with(cfg, options, task, policy, reporter)
         with Sampler(model, sampler_options(cfg)) as sampler:
             reporter.message(f"sampler: llama.cpp on {sampler.placement.describe()}, "
                              + (f"adapter {adapter_path}" if adapter else "the base model"))
@@ -135,13 +161,13 @@ def collect(cfg: Config, options: CollectOptions, reporter: Reporter) -> Collect
 
 
 def collect_with(cfg: Config, options: CollectOptions, task: AgentTask, sampler, reporter: Reporter) -> CollectResult:
-    """The collection on a given sampler (llama.cpp's in `collect`, a scripted policy in the
-    tests), written to OUT.tmp and renamed to OUT once complete."""
+    """The collection on a given sampler (llama.cpp's or an EndpointPolicy in `collect`, a
+    scripted policy in the tests), written to OUT.tmp and renamed to OUT once complete."""
     a = cfg.agent
     k = options.k or a.group_size
     seed = a.seed if options.seed is None else options.seed
     scenarios = task.scenarios[: options.limit]
-    recipe = AgentRecipe(cfg, sampler, task, reporter)
+    recipe = AgentRecipe(cfg, sampler, task, reporter, EndpointRollouts if isinstance(sampler, EndpointPolicy) else AgentRollouts)
     per_call = max(1, recipe.rollouts.concurrency // k)
     reports, dropped, written = [], Counter(), 0
     reporter.start(len(scenarios), ["scenario", "attempts", "passes", "kept", "best"], "scenarios")
@@ -219,24 +245,28 @@ def drop_cause(s: ScoredTrajectory, min_reward: float | None, require_verified: 
 
 
 def ranked(group: list[ScoredTrajectory]) -> list[ScoredTrajectory]:
-    """Highest reward first, shortest on ties (then the member order)."""
-    return sorted(group, key=lambda s: (-s.reward, len(s.trajectory.tokens), s.trajectory.member))
+    """Highest reward first, shortest on ties (in tokens; an endpoint's in characters), then
+    the member order."""
+    def length(t: Trajectory) -> int:
+        return len(t.tokens) or sum(len(turn.text) for turn in t.turns)
+    return sorted(group, key=lambda s: (-s.reward, length(s.trajectory), s.trajectory.member))
 
 
 def select(task: AgentTask, group: list[ScoredTrajectory], options: CollectOptions, keep: int) -> tuple[list[Kept], Counter]:
     """Up to `keep` traces of one scenario, best first, none an exact duplicate of another,
     each reproducible; and every other trace's cause."""
+    form = options.form
     kept: list[Kept] = []
     causes: Counter = Counter()
     for s in ranked(group):
         cause = drop_cause(s, options.min_reward, options.require_verified)
-        record = sft_record(s.trajectory, s.reward) if cause is None else None
+        record = form.record(s.trajectory, s.reward) if cause is None else None
         if cause is None and any(_same(record, other.record) for other in kept):
             cause = "duplicate"
         elif cause is None and len(kept) == keep:
             cause = "over_keep"
-        elif cause is None and not reproduces(task, record, s.trajectory):
-            cause = "not_reproducible"
+        elif cause is None and not form.check(task, record, s.trajectory):
+            cause = form.cause
         if cause is None:
             kept.append(Kept(s, record))
         else:
@@ -256,13 +286,34 @@ def _same(a: dict, b: dict) -> bool:
 # ---------------------------------------------------------------- records
 
 
-def sft_record(t: Trajectory, reward: float) -> dict:
-    """The conversation as the policy saw it, in the SFT loader's tool-record form."""
+def raw_record(t: Trajectory, reward: float) -> dict:
+    """The conversation as the policy saw it, each assistant turn the text it sampled."""
+    def turn_messages(turn, _first_id: int) -> list[dict]:
+        return [{"role": "assistant", "content": turn.text, "raw": True},
+                *({"role": "tool", "content": c.content} | ({"is_error": True} if c.is_error else {}) for c in turn.calls)]
+    return _record(t, reward, turn_messages)
+
+
+def structured_record(t: Trajectory, reward: float) -> dict:
+    """The conversation as the policy saw it, each assistant turn its words and its calls."""
+    def turn_messages(turn, first_id: int) -> list[dict]:
+        calls = [ToolCall(f"call_{first_id + i}", step.name, step.arguments) for i, step in enumerate(turn.calls)]
+        return [{"role": "assistant", "content": text_around_calls(turn.text) if calls else turn.text}
+                | ({"tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                   for c in calls]} if calls else {}),
+                *({"role": "tool", "content": step.content, "tool_call_id": c.id} | ({"is_error": True} if step.is_error else {})
+                  for c, step in zip(calls, turn.calls))]
+    return _record(t, reward, turn_messages)
+
+
+def _record(t: Trajectory, reward: float, turn_messages: Callable) -> dict:
+    """The SFT loader's tool-record form: the scenario, each turn's messages and its note."""
     scenario = t.scenario
     messages = scenario.messages() + ([{"role": "user", "content": t.opening}] if t.opening is not None else [])
+    calls = 0
     for turn in t.turns:
-        messages.append({"role": "assistant", "content": turn.text, "raw": True})
-        messages += [{"role": "tool", "content": c.content} | ({"is_error": True} if c.is_error else {}) for c in turn.calls]
+        messages += turn_messages(turn, calls)
+        calls += len(turn.calls)
         if turn.note is not None:
             messages.append({"role": "user", "content": turn.note})
     tools = scenario.toolset.specs() if scenario.toolset else []
@@ -281,6 +332,28 @@ def reproduces(task: AgentTask, record: dict, t: Trajectory) -> bool:
     return ids[:n] == ours and mask[:n] == [False] * len(t.prompt) + list(t.mask) and not any(mask[n:])
 
 
+def loads(task: AgentTask, record: dict, t: Trajectory) -> bool:
+    """Whether the SFT loader takes `record` (its calls parse back from the template's render)."""
+    try:
+        chat_example(Path(t.scenario.source), task.chat, Chat(record), t.scenario.source)
+    except DataError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class RecordForm:
+    """How a trace becomes an SFT record, and the check the record must pass to be written."""
+
+    record: Callable[[Trajectory, float], dict]
+    check: Callable[[AgentTask, dict, Trajectory], bool]
+    cause: str  # a record that fails the check
+
+
+RAW = RecordForm(raw_record, reproduces, "not_reproducible")
+STRUCTURED = RecordForm(structured_record, loads, "not_loadable")
+
+
 # ---------------------------------------------------------------- preference pairs
 
 
@@ -294,10 +367,11 @@ def _pair_lines(task: AgentTask, group: list[ScoredTrajectory], options: Collect
     prompt = _prompt(chosen.record)
     if not _answer_only(chosen.record, prompt):
         return [], causes + Counter({"pair: a user note in the best trace": 1})
+    form = options.form
     complete = [s for s in ranked(group)[::-1] if s is not chosen.scored and drop_cause(s, float("-inf")) is None]
     rejected = next((Kept(s, r) for s in complete
-                     if _answer_only(r := sft_record(s.trajectory, s.reward), prompt) and not _same(r, chosen.record)
-                     and reproduces(task, r, s.trajectory)), None)
+                     if _answer_only(r := form.record(s.trajectory, s.reward), prompt) and not _same(r, chosen.record)
+                     and form.check(task, r, s.trajectory)), None)
     if rejected is None:
         return [], causes + Counter({"pair: no rejected trace": 1})
     gap = chosen.scored.reward - rejected.scored.reward

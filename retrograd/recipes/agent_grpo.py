@@ -240,8 +240,8 @@ def train(cfg: Config, setup: Setup, sampler, task: AgentTask, reporter: Reporte
 def _signature(cfg: Config, setup: Setup, task: AgentTask) -> dict:
     """common.signature plus what only this recipe has: [agent] and the tool definitions."""
     data = {"agent.scenarios": cfg.agent.scenarios} | ({"evaluation.data": cfg.evaluation.data} if cfg.evaluation else {})
-    agent = {k: v for k, v in dataclasses.asdict(cfg.agent).items()
-             if k != "scenarios" and not (k == "tis_cap" and v is None)}  # unset: signed as before the key existed
+    agent = {k: v for k, v in dataclasses.asdict(cfg.agent).items()  # collect_api is collect's, not training's;
+             if k not in ("scenarios", "collect_api") and not (k == "tis_cap" and v is None)}  # tis_cap unset: signed as before it existed
     tools = task.catalog.signature() if task.catalog else None
     return json.loads(json.dumps(signature(setup, data) | {"agent": agent, "tools": tools}, default=str))
 
@@ -253,10 +253,11 @@ class AgentRecipe:
     """What agentic GRPO hands the rollout loop: collecting and scoring trajectories, their
     liveness and advantages, and the failure policy."""
 
-    def __init__(self, cfg: Config, sampler, task: AgentTask, reporter: Reporter):
+    def __init__(self, cfg: Config, sampler, task: AgentTask, reporter: Reporter, engine: type[AgentRollouts] = AgentRollouts):
+        """`engine` runs the episodes on `sampler` (collect --api: rollouts.api_agent's, on an endpoint)."""
         self.a, self.task, self.reporter = cfg.agent, task, reporter
-        self.rollouts = AgentRollouts(sampler, task.chat, task.pool, task.options, task.limits,
-                                      concurrency=sampler_options(cfg).n_seq_max, http=task.http)
+        self.rollouts = engine(sampler, task.chat, task.pool, task.options, task.limits,
+                               concurrency=sampler_options(cfg).n_seq_max, http=task.http)
 
     def recipe(self) -> RolloutRecipe:
         a, task = self.a, self.task

@@ -18,6 +18,7 @@ trajectory ends when:
     sandbox_broken       the sandbox or a tool broke; this trajectory only  (failed)
     environment_broken   the http environment broke the episode (rollouts.http_env)  (failed)
     tool_broken          an mcp server hung, erred or died (rollouts.mcp_tools)  (failed)
+    policy_broken        an endpoint policy gave no usable reply (rollouts.api_agent, collect --api)  (failed)
 
 A failed trajectory records its cause. With an http environment, each trajectory is one
 episode of the server: reset before the first turn (its opening observation becomes a user
@@ -70,7 +71,7 @@ from retrograd.training.timeline import PhaseClock
 
 ENDED = ("no_tool_call", "submitted")
 TRUNCATED = ("max_turns", "max_trajectory_tokens", "max_rollout_secs", "max_failed_turns", "template_rewrote_turn")
-FAILED = ("sandbox_broken", "environment_broken", "tool_broken")
+FAILED = ("sandbox_broken", "environment_broken", "tool_broken", "policy_broken")
 STOPS = ENDED + TRUNCATED + FAILED
 NO_CALL = ("no tool call found; call a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
            "or call submit when you are done")
@@ -192,7 +193,7 @@ def trajectory_reward(t: Trajectory) -> float:
 
 
 @dataclass
-class _Live:
+class LiveTrajectory:
     """A trajectory while it runs: what it has so far, its sandbox, sampler conversation and
     chat state. `finished` makes the Trajectory record."""
 
@@ -295,11 +296,11 @@ class AgentRollouts:
         return out
 
     def _wave(self, requests: Sequence[Request], clock: PhaseClock) -> list[Trajectory]:
-        lives = [_Live(r, self.prompt(r.scenario), self._prompts[r.scenario.source][0], r.scenario.messages()) for r in requests]
+        lives = [LiveTrajectory(r, self.prompt(r.scenario), self._prompts[r.scenario.source][0], r.scenario.messages()) for r in requests]
         with ThreadPoolExecutor(max_workers=len(requests), thread_name_prefix="retrograd-agent") as threads:
             with clock.phase("environment"):
                 _each(threads, self._open, lives)
-            opened: list[_Live] = []
+            opened: list[LiveTrajectory] = []
             try:
                 conversations = self.sampler.open([r.seed for r in requests])
                 started = time.monotonic()
@@ -330,7 +331,7 @@ class AgentRollouts:
                     _each(threads, _release, [live.sandbox or live.episode for live in lives])
         return [live.finished() for live in lives]
 
-    def _open(self, live: _Live) -> None:
+    def _open(self, live: LiveTrajectory) -> None:
         """A prepared sandbox or a reset episode; a broken one costs this trajectory only (a
         failing setup, like an unavailable daemon, stops the run: SandboxError)."""
         if self.http is not None:
@@ -349,7 +350,7 @@ class AgentRollouts:
             raise
         live.sandbox = sandbox
 
-    def _reset(self, live: _Live) -> None:
+    def _reset(self, live: LiveTrajectory) -> None:
         """A new episode; its opening observation (a user message) makes this member's prompt."""
         try:
             live.episode = self.http.reset(live.scenario, live.request.seed)
@@ -368,7 +369,7 @@ class AgentRollouts:
         if len(live.prompt) + 1 > self.limits.max_trajectory_tokens:
             live.stop = "max_trajectory_tokens"
 
-    def _check_clock(self, running: list[_Live]) -> None:
+    def _check_clock(self, running: list[LiveTrajectory]) -> None:
         budget = self.limits.max_rollout_secs
         for live in running:
             if budget and live.stop is None and time.monotonic() - live.started > budget:
@@ -376,12 +377,12 @@ class AgentRollouts:
 
     # ---------------------------------------------------------------- one turn
 
-    def _sample(self, running: list[_Live]) -> None:
+    def _sample(self, running: list[LiveTrajectory]) -> None:
         """One assistant turn for every running trajectory; those with the same token budget
         share a generate_turn call (all of them, until one nears max_trajectory_tokens)."""
         if not self.reuse_kv:
             forget_kv_cache(self.sampler)
-        by_budget: dict[int, list[_Live]] = defaultdict(list)
+        by_budget: dict[int, list[LiveTrajectory]] = defaultdict(list)
         for live in running:
             room = self.limits.max_trajectory_tokens - len(live.context)
             by_budget[min(self.limits.max_new_tokens_per_turn, room)].append(live)
@@ -393,7 +394,7 @@ class AgentRollouts:
                 if completion.finish == "length" and budget < self.limits.max_new_tokens_per_turn:
                     live.stop = "max_trajectory_tokens"  # cut by the trajectory's room, not the turn's
 
-    def _take_turn(self, live: _Live, completion) -> None:
+    def _take_turn(self, live: LiveTrajectory, completion) -> None:
         tokens = list(completion.tokens)
         ends = completion.finish == "eos"
         body = tokens[:-1] if ends else tokens
@@ -418,7 +419,7 @@ class AgentRollouts:
     def _text(self, tokens: list[int]) -> str:
         return b"".join(self.chat.piece(token) for token in tokens).decode("utf-8", errors="replace")
 
-    def _act(self, live: _Live) -> None:
+    def _act(self, live: LiveTrajectory) -> None:
         """This turn's calls, in order, in the trajectory's sandbox; a `done` skips the rest."""
         if live.stop is not None:
             return
@@ -436,14 +437,15 @@ class AgentRollouts:
                 break
         live.turns[-1] = replace(live.turns[-1], calls=tuple(steps))
 
-    def _call(self, live: _Live, call: ToolCall) -> ToolResult:
+    def _call(self, live: LiveTrajectory, call: ToolCall) -> ToolResult:
         toolset = live.scenario.toolset
         if toolset is None:
             return ToolResult(NO_TOOLS, is_error=True)
         return toolset.call(live.sandbox or live.episode, call.name, call.arguments)
 
-    def _continue(self, live: _Live) -> None:
-        """Ends the trajectory, or appends the template's text up to the next assistant header."""
+    def _continue(self, live: LiveTrajectory) -> None:
+        """Ends the trajectory, or appends the observations and (`_extend`) the template's
+        text up to the next assistant header."""
         if live.stop is not None:
             return
         if live.done:
@@ -461,14 +463,15 @@ class AgentRollouts:
         if turn.note is not None:
             live.messages.append({"role": "user", "content": turn.note})
         try:
-            self._extend(live)
+            length = self._extend(live)
         except TemplateBudgetError:  # the conversation outgrew what a template may render, far past any context
             live.stop = "max_trajectory_tokens"
             return
-        if live.stop is None and len(live.context) + 1 > self.limits.max_trajectory_tokens:
+        if live.stop is None and length + 1 > self.limits.max_trajectory_tokens:
             live.stop = "max_trajectory_tokens"
 
-    def _extend(self, live: _Live) -> None:
+    def _extend(self, live: LiveTrajectory) -> int:
+        """Appends the template's new text as tokens; the context's length after it."""
         before, content = live.rendered, live.content
         after = render(self.chat, live.scenario, live.messages, live.calls)
         if not after.startswith(before + content):
@@ -479,7 +482,7 @@ class AgentRollouts:
                     "token; agentic rollouts need a template that keeps earlier turns verbatim"
                 )
             live.stop = "template_rewrote_turn"  # this turn's text only (e.g. whitespace the template trims)
-            return
+            return len(live.context)
         added = after[len(before) + len(content):]
         if live.turns[-1].finish == "eos":  # the policy already wrote the end of its turn when the template uses that token
             added = added.removeprefix(self.chat.piece(live.tokens[-1]).decode("utf-8", errors="replace"))
@@ -487,8 +490,9 @@ class AgentRollouts:
         live.tokens += ids
         live.mask += [False] * len(ids)
         live.rendered = after
+        return len(live.context)
 
-    def _keeps_plain_turns(self, live: _Live) -> bool:
+    def _keeps_plain_turns(self, live: LiveTrajectory) -> bool:
         """Whether the template keeps a plain assistant turn verbatim where this one sat: if
         not, the template itself is unusable; if so, only this turn's text was rewritten."""
         messages = [*live.messages]
@@ -497,7 +501,7 @@ class AgentRollouts:
         probe = render(self.chat, live.scenario, messages, live.calls)
         return probe.startswith(live.rendered + PLAIN_TURN)
 
-    def _verify(self, live: _Live) -> None:
+    def _verify(self, live: LiveTrajectory) -> None:
         if live.episode is not None and live.stop not in FAILED and live.stop != "max_rollout_secs":
             try:
                 live.state = live.episode.state()

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from retrograd.data.tools import CALL_CLOSE, CALL_OPEN, parse_calls
+from retrograd.data.tools import CALL_CLOSE, CALL_OPEN, parse_calls, text_around_calls
 from retrograd.sampler.grammar import SchemaError, check_schema, schema_grammar
 from retrograd.serving.inference import StopStrings
 
@@ -66,7 +66,6 @@ def split_reply(text: str, calls: Calls | None) -> tuple[str | None, list[dict[s
     parse, or names a function the request did not offer, stays content."""
     if calls is None or not calls.parsed or (opened := text.find(CALL_OPEN)) == -1:
         return text, []
-    closed = text.rfind(CALL_CLOSE)
     parsed = parse_calls(text[opened:])
     if isinstance(parsed, str) or not parsed or any(name not in calls.functions for name, _ in parsed):
         return text, []
@@ -78,9 +77,7 @@ def split_reply(text: str, calls: Calls | None) -> tuple[str | None, list[dict[s
         }
         for name, arguments in parsed
     ]
-    after = text[closed + len(CALL_CLOSE) :].split(CALL_OPEN)[0]  # not an open block's beginning
-    content = "\n".join(part for part in (text[:opened].strip(), after.strip()) if part)
-    return content or None, tool_calls
+    return text_around_calls(text) or None, tool_calls
 
 
 class ContentStream:
