@@ -370,6 +370,7 @@ def test_api_misuse_is_one_line_and_exit_2(tmp_path, tiny_model, extra, needle):
     assert not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.slow  # ~15 s: a serve process and two collect runs
 def test_api_with_a_real_retrograd_serve(tmp_path, smollm2):
     """The bundled model behind `retrograd serve` on loopback as the policy: every trajectory
     is accounted for, and whatever is written the SFT loader takes."""
