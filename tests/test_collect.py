@@ -284,7 +284,8 @@ def test_structured_records_hold_words_and_calls_apart(run, tmp_path):
 class ApiPolicy(JsonEndpoint):
     """An OpenAI-shaped /chat/completions on 127.0.0.1 playing the agent: a conversation's
     member is its request's seed less the turn (assistant messages so far) less BASE_SEED, and
-    member j says API_SCRIPTS[j % 4] turn by turn."""
+    member j says API_SCRIPTS[j] turn by turn (a message's own finish_reason is the reply's), or
+    answers every request with a status of its own."""
 
     def __init__(self):
         super().__init__(self.answer)
@@ -292,11 +293,11 @@ class ApiPolicy(JsonEndpoint):
     def answer(self, body: dict) -> tuple[int, dict]:
         turn = sum(m["role"] == "assistant" for m in body["messages"])
         script = API_SCRIPTS[(body["seed"] - turn - BASE_SEED) % len(API_SCRIPTS)]
-        if script == "down":
-            return 500, {"error": {"message": "down"}}
-        message = script[turn]
-        return 200, {"choices": [{"index": 0, "message": {"role": "assistant"} | message,
-                                  "finish_reason": "tool_calls" if "tool_calls" in message else "stop"}],
+        if isinstance(script, int):
+            return script, {"error": {"message": f"status {script}\nsecond line"}}
+        message = dict(script[turn])
+        finish = message.pop("finish_reason", "tool_calls" if "tool_calls" in message else "stop")
+        return 200, {"choices": [{"index": 0, "message": {"role": "assistant"} | message, "finish_reason": finish}],
                      "usage": {"completion_tokens": 7}}
 
 
@@ -311,7 +312,10 @@ API_SCRIPTS = [
     [api_call("write_file", json.dumps({"path": "answer.txt", "content": "42"})), {"content": "Done."}],  # passes
     [{"content": "I give up."}],  # complete, reward 0
     [api_call("write_file", "{not json"), {"content": "ok"}],  # a malformed call
-    "down",  # every request fails
+    500,  # every request fails: retried, then policy_broken
+    400,  # the endpoint refuses this conversation: policy_broken at once
+    [api_call("submit", "")],  # a call without arguments (as some servers send them): complete, verify fails
+    [{"content": "Done", "finish_reason": "content_filter"}],  # cut by the endpoint
 ]
 
 
@@ -327,15 +331,17 @@ def test_api_collects_structured_records_from_an_endpoint(tmp_path, tiny_model, 
     written as a structured record the SFT loader takes, a malformed call and a broken endpoint
     are dropped by cause, and what the endpoint was sent is an OpenAI conversation."""
     cfg = write_config(tmp_path, tiny_model("llama"))
-    cfg.write_text(cfg.read_text().replace(f"group_size = {len(SCRIPTS)}", "group_size = 4")
+    cfg.write_text(cfg.read_text().replace(f"group_size = {len(SCRIPTS)}", f"group_size = {len(API_SCRIPTS)}")
                    + f'[agent.collect_api]\nbase_url = "{api_policy.url}"\nmodel = "scripted"\nmax_retries = 1\n')
     out = tmp_path / "traces.jsonl"
     proc = subprocess.run([*RETROGRAD, "collect", str(cfg), "--out", str(out), "--api", "--report", str(tmp_path / "r.json")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"policy: scripted at {api_policy.url}" in proc.stdout, proc.stdout
+    assert f"  failed (policy_broken), first: {api_policy.url} gave no usable reply in 2 tries (last: 500: " in proc.stdout, proc.stdout
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["records"] == 1 and report["dropped"] == {"not_successful": 1, "malformed_call": 1, "failed (policy_broken)": 1}
+    assert report["records"] == 1 and report["dropped"] == {"not_successful": 2, "malformed_call": 1, "failed (policy_broken)": 2,
+                                                            "turn_cut": 1}
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert [m["role"] for m in record["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
     assert record["messages"][2]["tool_calls"][0]["function"] == {"name": "write_file", "arguments": {"path": "answer.txt", "content": "42"}}
@@ -351,14 +357,28 @@ def test_api_collects_structured_records_from_an_endpoint(tmp_path, tiny_model, 
     assert [t["function"]["name"] for t in second["tools"]] == ["write_file", "submit"]
     assert json.loads(second["messages"][2]["tool_calls"][0]["function"]["arguments"]) == {"path": "answer.txt", "content": "42"}
     assert second["messages"][3]["role"] == "tool" and second["messages"][3]["tool_call_id"] == "call_0"
-    broken = [b for b in api_policy.bodies if b["seed"] == BASE_SEED + 3 and len(b["messages"]) == 2]
-    assert len(broken) == 2  # the broken member's first request, retried once
+    first = [b["seed"] - BASE_SEED for b in api_policy.bodies if len(b["messages"]) == 2]
+    assert sorted(first) == [0, 1, 2, 3, 3, 4, 5, 6]  # the 500 retried once, the 400 not
+
+
+def test_api_a_refusal_that_every_request_would_get_stops_on_one_line(tmp_path, tiny_model):
+    endpoint = JsonEndpoint(lambda body: (401, {"error": {"message": "no key"}}))
+    try:
+        cfg = write_config(tmp_path, tiny_model("llama"))
+        cfg.write_text(cfg.read_text() + f'[agent.collect_api]\nbase_url = "{endpoint.url}"\nmodel = "m"\n')
+        proc = subprocess.run([*RETROGRAD, "collect", str(cfg), "--out", str(tmp_path / "x.jsonl"), "--api"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        endpoint.close()
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: agent.collect_api: {endpoint.url} refused the request with 401: ") and "no key" in proc.stderr
+    assert len(endpoint.bodies) == len(SCRIPTS) and not (tmp_path / "x.jsonl").exists()  # each member asked once, not again and not (tmp_path / "x.jsonl.tmp").exists()
 
 
 @pytest.mark.parametrize("extra, needle", [
     ([], "--api needs an [agent.collect_api] table"),
     (["--raw"], "--raw needs the local model's own tokens"),
-    (["--model", "x.gguf"], "--model applies to the local model, not to --api"),
+    (["--device", "cpu"], "--device applies to the local model, not to --api"),
 ])
 def test_api_misuse_is_one_line_and_exit_2(tmp_path, tiny_model, extra, needle):
     cfg = write_config(tmp_path, tiny_model("llama"))

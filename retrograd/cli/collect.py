@@ -66,8 +66,8 @@ def collect(
     from retrograd.errors import ConfigError
     from retrograd.evaluation.collect import CollectOptions, collect as run_collect
 
-    if api and (model is not None or device is not None):
-        raise ConfigError(f"{'--model' if model is not None else '--device'} applies to the local model, not to --api")
+    if api and device is not None:
+        raise ConfigError("--device applies to the local model, not to --api (whose --model only renders and counts the records)")
     cfg = load_config(config).with_overrides(model=model, device=device)
     options = CollectOptions(out=out, k=k, keep=keep, min_reward=min_reward, require_verified=require_verified, limit=limit, seed=seed, report=report,
                              force=force, pairs=pairs, min_gap=min_gap, adapter=adapter, api=api, structured=structured)

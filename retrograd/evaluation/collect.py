@@ -25,7 +25,8 @@ Every trajectory that is not written is counted under one cause: failed and trun
 their stop reason), unscored (the judge failed), malformed_call, turn_cut (a turn that hit
 max_new_tokens_per_turn), not_verified (with require_verified), not_successful or
 below_min_reward, duplicate (the same record as one kept), over_keep, not_reproducible (raw)
-or not_loadable (structured).
+or not_loadable and over_max_trajectory_tokens (structured). A failed cause's first reason (the
+sandbox's, the endpoint's error) is printed with the counts.
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ from retrograd.gguf.adapter import read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.recipes.agent_grpo import AgentRecipe, AgentTask, ScoredTrajectory, open_task, sampler_options
 from retrograd.rollouts.agent import NO_CALL, AgentRollouts, Request, Trajectory
-from retrograd.rollouts.api_agent import EndpointPolicy, EndpointRollouts
+from retrograd.rollouts.api_agent import NO_STRUCTURED_CALL, EndpointPolicy, EndpointRollouts
 from retrograd.runtime.bundled import default_model_path
 from retrograd.sampler import Sampler
 from retrograd.training.report import Reporter
 from retrograd.training.timeline import PhaseClock
 
 SUCCESS_REWARD = 1.0  # without min_reward a trace is kept when verify passed or its reward reaches this
+NOT_A_CALL = (ERROR_PREFIX + NO_CALL, ERROR_PREFIX + NO_STRUCTURED_CALL)  # notes of a turn without a call: not malformed
 DEFAULT_MIN_GAP = 0.5
 
 
@@ -99,6 +101,7 @@ class CollectResult:
     pairs: bool
     scenarios: tuple[ScenarioReport, ...]
     dropped: dict[str, int]  # traces (and, with pairs, scenarios without a pair) by cause
+    reasons: dict[str, str]  # a failed cause's first recorded reason (a broken sandbox's, endpoint's)
 
     def report(self) -> dict:
         return {"out": str(self.out), "pairs" if self.pairs else "records": self.written, "dropped": self.dropped,
@@ -110,7 +113,7 @@ class CollectResult:
         what = "preference pair(s)" if self.pairs else "trace(s)"
         causes = ", ".join(f"{cause} {n}" for cause, n in sorted(self.dropped.items(), key=lambda kv: (-kv[1], kv[0])))
         return [f"kept {self.written} {what} from {attempts} trajectories of {len(self.scenarios)} scenario(s) -> {self.out}",
-                f"dropped: {causes or 'none'}"]
+                f"dropped: {causes or 'none'}", *(f"  {cause}, first: {reason}" for cause, reason in sorted(self.reasons.items()))]
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ def collect_with(cfg: Config, options: CollectOptions, task: AgentTask, sampler,
     scenarios = task.scenarios[: options.limit]
     recipe = AgentRecipe(cfg, sampler, task, reporter, EndpointRollouts if isinstance(sampler, EndpointPolicy) else AgentRollouts)
     per_call = max(1, recipe.rollouts.concurrency // k)
-    reports, dropped, written = [], Counter(), 0
+    reports, dropped, reasons, written = [], Counter(), {}, 0
     reporter.start(len(scenarios), ["scenario", "attempts", "passes", "kept", "best"], "scenarios")
     try:
         with atomic_lines(options.out) as out:
@@ -179,6 +182,9 @@ def collect_with(cfg: Config, options: CollectOptions, task: AgentTask, sampler,
                 clock = PhaseClock()
                 trajectories = recipe.rollouts.collect(requests, clock)
                 scored, _ = recipe.score([trajectories[n:n + k] for n in range(0, len(trajectories), k)], clock)
+                for t in trajectories:
+                    if t.failed and t.cause:
+                        reasons.setdefault(f"failed ({t.stop})", " ".join(t.cause.split())[:300])
                 for n in range(0, len(scored), k):
                     group = scored[n:n + k]
                     lines, causes = _pair_lines(task, group, options) if options.pairs else _record_lines(task, group, options)
@@ -191,7 +197,7 @@ def collect_with(cfg: Config, options: CollectOptions, task: AgentTask, sampler,
                 reporter.advance(len(reports), f"kept={written}")
     finally:
         reporter.finish()
-    result = CollectResult(options.out, written, options.pairs, tuple(reports), dict(dropped))
+    result = CollectResult(options.out, written, options.pairs, tuple(reports), dict(dropped), reasons)
     if options.report is not None:
         options.report.write_text(json.dumps(result.report(), indent=2) + "\n")
     return result
@@ -233,7 +239,7 @@ def drop_cause(s: ScoredTrajectory, min_reward: float | None, require_verified: 
         return f"truncated ({t.stop})"
     if t.terminal_reward is None:
         return "unscored"
-    if any(turn.note not in (None, ERROR_PREFIX + NO_CALL) for turn in t.turns):
+    if any(turn.note not in (None, *NOT_A_CALL) for turn in t.turns):
         return "malformed_call"  # no record can hold a turn whose calls do not parse
     if any(turn.finish == "length" for turn in t.turns):
         return "turn_cut"  # SFT would train the end of a turn the policy never ended (max_new_tokens_per_turn)
@@ -265,8 +271,8 @@ def select(task: AgentTask, group: list[ScoredTrajectory], options: CollectOptio
             cause = "duplicate"
         elif cause is None and len(kept) == keep:
             cause = "over_keep"
-        elif cause is None and not form.check(task, record, s.trajectory):
-            cause = form.cause
+        elif cause is None:
+            cause = form.check(task, record, s.trajectory)
         if cause is None:
             kept.append(Kept(s, record))
         else:
@@ -298,7 +304,8 @@ def structured_record(t: Trajectory, reward: float) -> dict:
     """The conversation as the policy saw it, each assistant turn its words and its calls."""
     def turn_messages(turn, first_id: int) -> list[dict]:
         calls = [ToolCall(f"call_{first_id + i}", step.name, step.arguments) for i, step in enumerate(turn.calls)]
-        return [{"role": "assistant", "content": text_around_calls(turn.text) if calls else turn.text}
+        words = turn.content if turn.content is not None else text_around_calls(turn.text) if calls else turn.text
+        return [{"role": "assistant", "content": words}
                 | ({"tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                    for c in calls]} if calls else {}),
                 *({"role": "tool", "content": step.content, "tool_call_id": c.id} | ({"is_error": True} if step.is_error else {})
@@ -320,38 +327,41 @@ def _record(t: Trajectory, reward: float, turn_messages: Callable) -> dict:
     return {"messages": messages} | ({"tools": tools} if tools else {}) | {"scenario": scenario.id, "reward": reward}
 
 
-def reproduces(task: AgentTask, record: dict, t: Trajectory) -> bool:
-    """Whether the SFT loader turns `record` into the rollout's tokens, training exactly the
-    sampled ones (the render may add untrained text after the last turn)."""
+def reproduces(task: AgentTask, record: dict, t: Trajectory) -> str | None:
+    """None when the SFT loader turns `record` into the rollout's tokens, training exactly the
+    sampled ones (the render may add untrained text after the last turn); else the cause."""
     try:
         ids, mask = chat_example(Path(t.scenario.source), task.chat, Chat(record), t.scenario.source)
     except DataError:
-        return False
+        return "not_reproducible"
     ours = [*t.prompt, *t.tokens]
     n = len(ours)
-    return ids[:n] == ours and mask[:n] == [False] * len(t.prompt) + list(t.mask) and not any(mask[n:])
+    same = ids[:n] == ours and mask[:n] == [False] * len(t.prompt) + list(t.mask) and not any(mask[n:])
+    return None if same else "not_reproducible"
 
 
-def loads(task: AgentTask, record: dict, t: Trajectory) -> bool:
-    """Whether the SFT loader takes `record` (its calls parse back from the template's render)."""
+def loads(task: AgentTask, record: dict, t: Trajectory) -> str | None:
+    """None when the SFT loader takes `record` (its calls parse back from the template's
+    render) within max_trajectory_tokens (an endpoint's last turn was never counted in ours);
+    else the cause."""
     try:
-        chat_example(Path(t.scenario.source), task.chat, Chat(record), t.scenario.source)
+        ids, _ = chat_example(Path(t.scenario.source), task.chat, Chat(record), t.scenario.source)
     except DataError:
-        return False
-    return True
+        return "not_loadable"
+    return None if len(ids) <= task.limits.max_trajectory_tokens else "over_max_trajectory_tokens"
 
 
 @dataclass(frozen=True)
 class RecordForm:
-    """How a trace becomes an SFT record, and the check the record must pass to be written."""
+    """How a trace becomes an SFT record, and the check the record must pass to be written
+    (None, or why it is dropped)."""
 
     record: Callable[[Trajectory, float], dict]
-    check: Callable[[AgentTask, dict, Trajectory], bool]
-    cause: str  # a record that fails the check
+    check: Callable[[AgentTask, dict, Trajectory], str | None]
 
 
-RAW = RecordForm(raw_record, reproduces, "not_reproducible")
-STRUCTURED = RecordForm(structured_record, loads, "not_loadable")
+RAW = RecordForm(raw_record, reproduces)
+STRUCTURED = RecordForm(structured_record, loads)
 
 
 # ---------------------------------------------------------------- preference pairs
@@ -371,7 +381,7 @@ def _pair_lines(task: AgentTask, group: list[ScoredTrajectory], options: Collect
     complete = [s for s in ranked(group)[::-1] if s is not chosen.scored and drop_cause(s, float("-inf")) is None]
     rejected = next((Kept(s, r) for s in complete
                      if _answer_only(r := form.record(s.trajectory, s.reward), prompt) and not _same(r, chosen.record)
-                     and form.check(task, r, s.trajectory)), None)
+                     and form.check(task, r, s.trajectory) is None), None)
     if rejected is None:
         return [], causes + Counter({"pair: no rejected trace": 1})
     gap = chosen.scored.reward - rejected.scored.reward

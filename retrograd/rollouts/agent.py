@@ -130,6 +130,7 @@ class Turn:
     start: int  # where its tokens begin in Trajectory.tokens
     calls: tuple[ToolStep, ...] = ()
     note: str | None = None  # the error observation of a turn without a valid call
+    content: str | None = None  # an endpoint's words apart from its calls (rollouts.api_agent); None: in `text`
 
 
 @dataclass(frozen=True)

@@ -11,18 +11,22 @@ the trajectory's `tokens` are empty and `collect` writes structured records. The
 budget is still the local template's: after each turn the conversation is rendered and
 tokenized as SFT will see it, and one over `max_trajectory_tokens` ends there.
 
-A request that fails (a server error, a timeout, a reply without a message) is retried
-`max_retries` times; then that trajectory alone fails as `policy_broken`, its cause recorded.
-One the endpoint refuses (a 4xx other than 408 and 429: a wrong model name, a bad key) would
-be refused for every trajectory, so it stops the collection on one line instead.
-A call whose arguments are not a JSON object makes the turn malformed (the model reads an
-error, as with a local policy's unparsable markup).
+A request that fails for a while (a server error, 408 or 429, a timeout, a reply without a
+message) is retried `max_retries` times, waiting 0.5 s, 1 s, 2 s, ... (or the `Retry-After` the
+endpoint asks for); one the endpoint refuses for its content (another 4xx: a conversation
+longer than its context) is not retried. Either way that trajectory alone fails as
+`policy_broken`, its cause recorded. A refusal that would be the same for every request (401,
+403, 404: a missing key, a wrong model name) stops the collection on one line instead. A call
+whose arguments are not a JSON object makes the turn malformed (the model reads an error, as
+with a local policy's unparsable markup); a finish other than `stop` or `tool_calls` (`length`,
+`content_filter`) is a cut turn.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,8 +34,13 @@ import httpx
 
 from retrograd.config import CollectApiSection
 from retrograd.data.tools import ERROR_PREFIX, ToolCall, call_markup, decode_arguments
-from retrograd.errors import ConfigError
-from retrograd.rollouts.agent import NO_CALL, AgentRollouts, LiveTrajectory, Turn, render
+from retrograd.errors import ConfigError, DataError
+from retrograd.rollouts.agent import AgentRollouts, LiveTrajectory, Turn, render
+
+NO_STRUCTURED_CALL = "no tool call found; call one of the tools, or call submit when you are done"
+STOPS_ALL = (401, 403, 404)  # the same for every request: the collection stops
+TRANSIENT = (408, 429)  # with 5xx and transport errors: retried
+CLEAN_FINISH = (None, "stop", "tool_calls", "function_call")  # anything else cut the turn
 
 
 class PolicyBroken(Exception):
@@ -86,20 +95,41 @@ class EndpointPolicy:
             body["tools"] = tools
         if self.s.temperature is not None:
             body["temperature"] = self.s.temperature
-        problem = ""
-        for _ in range(self.s.max_retries + 1):
+        for attempt in range(self.s.max_retries + 1):
+            wait = 0.5 * 2**attempt
             try:
                 response = self.client.post("/chat/completions", json=body)
-                if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
-                    raise ConfigError(f"agent.collect_api: {self.s.base_url} refused the request with {response.status_code}: "
-                                      f"{' '.join(response.text.split())[:300]}")
-                response.raise_for_status()
-                choice = response.json()["choices"][0]
-                return read_reply(choice["message"], choice.get("finish_reason"),
-                                  (response.json().get("usage") or {}).get("completion_tokens", 0), first_id)
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                problem = f"{type(e).__name__}: {e}"[:300]
+            except httpx.HTTPError as e:
+                problem = f"{type(e).__name__}: {e}"
+            else:
+                status, text = response.status_code, " ".join(response.text.split())[:300]
+                if status in STOPS_ALL:
+                    raise ConfigError(f"agent.collect_api: {self.s.base_url} refused the request with {status}: {text}")
+                if 400 <= status < 500 and status not in TRANSIENT:
+                    raise PolicyBroken(f"{self.s.base_url} refused the conversation with {status}: {text}")
+                if status == 200:
+                    try:
+                        payload = response.json()
+                        choice = payload["choices"][0]
+                        return read_reply(choice["message"], choice.get("finish_reason"),
+                                          (payload.get("usage") or {}).get("completion_tokens", 0), first_id)
+                    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+                        problem = f"a reply without a message ({type(e).__name__}: {e})"
+                else:
+                    problem = f"{status}: {text}"
+                    wait = max(wait, _retry_after(response))
+            if attempt < self.s.max_retries:
+                time.sleep(min(wait, 30.0))
+        problem = " ".join(problem.split())[:300]
         raise PolicyBroken(f"{self.s.base_url} gave no usable reply in {self.s.max_retries + 1} tries (last: {problem})")
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """The seconds a 429 or 503 asks to wait (0 when it does not say, or says a date)."""
+    try:
+        return float(response.headers.get("Retry-After", 0))
+    except ValueError:
+        return 0.0
 
 
 def read_reply(message: dict, finish_reason: str | None, n_tokens: int, first_id: int) -> Reply:
@@ -110,12 +140,12 @@ def read_reply(message: dict, finish_reason: str | None, n_tokens: int, first_id
     calls, note = [], None
     for n, call in enumerate(message.get("tool_calls") or (), 1):
         function = call.get("function") or {}
-        name, arguments = function.get("name"), decode_arguments(function.get("arguments", {}))
+        name, arguments = function.get("name"), decode_arguments(function.get("arguments") or {})  # "" or null: none
         if not isinstance(name, str) or not name or arguments is None:
             calls, note = [], ERROR_PREFIX + f"tool call {n} needs a function name and arguments that are a JSON object"
             break
         calls.append(ToolCall(f"call_{first_id + len(calls)}", name, arguments))
-    return Reply(content, tuple(calls), note, "length" if finish_reason == "length" else "eos", int(n_tokens or 0))
+    return Reply(content, tuple(calls), note, "eos" if finish_reason in CLEAN_FINISH else "length", int(n_tokens or 0))
 
 
 def wire(messages: list[dict]) -> list[dict]:
@@ -137,7 +167,9 @@ class EndpointRollouts(AgentRollouts):
             list(threads.map(self._ask, running))
 
     def _ask(self, live: LiveTrajectory) -> None:
-        room = self.limits.max_trajectory_tokens - len(self.chat.tokenize(live.rendered, live.scenario.source)[0])
+        room = self.limits.max_trajectory_tokens - self._length(live)
+        if live.stop is not None:
+            return
         tools = live.scenario.toolset.specs() if live.scenario.toolset else []
         try:
             reply = self.sampler.reply(live.messages, tools, live.conversation.seed + len(live.turns),
@@ -155,9 +187,9 @@ class EndpointRollouts(AgentRollouts):
             if self.limits.end_on_no_tool_call:
                 live.stop = "no_tool_call"
             else:
-                note = ERROR_PREFIX + NO_CALL
+                note = ERROR_PREFIX + NO_STRUCTURED_CALL
         text = "\n".join(part for part in (reply.content, call_markup(list(reply.calls))) if part)
-        live.turns.append(Turn(text, reply.n_tokens, reply.finish, 0, 0, 0, note=note))
+        live.turns.append(Turn(text, reply.n_tokens, reply.finish, 0, 0, 0, note=note, content=reply.content))
         live.failed_turns = 0 if live.pending else live.failed_turns + 1
         if reply.finish == "length" and room < self.limits.max_new_tokens_per_turn:
             live.stop = "max_trajectory_tokens"
@@ -165,4 +197,13 @@ class EndpointRollouts(AgentRollouts):
     def _extend(self, live: LiveTrajectory) -> int:
         """The conversation rendered as a structured record; its length in tokens."""
         live.rendered = render(self.chat, live.scenario, live.messages, live.calls)
-        return len(self.chat.tokenize(live.rendered, live.scenario.source)[0])
+        return self._length(live)
+
+    def _length(self, live: LiveTrajectory) -> int:
+        """Tokens of the render so far; text the local tokenizer cannot spell back (odd bytes
+        from the endpoint) breaks the trajectory rather than the collection."""
+        try:
+            return len(self.chat.tokenize(live.rendered, live.scenario.source)[0])
+        except DataError as e:
+            live.stop, live.cause = "policy_broken", f"the reply cannot be tokenized: {' '.join(str(e).split())[:300]}"
+            return self.limits.max_trajectory_tokens
