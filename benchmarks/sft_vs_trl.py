@@ -4,11 +4,12 @@
     python benchmarks/sft_vs_trl.py --sides ours-bf16    # a subset; TRL is not needed without "trl"
     python benchmarks/sft_vs_trl.py --profile bf16       # torch.profiler over our first 4 steps, in this process
     python benchmarks/sft_vs_trl.py --model M.gguf       # another base (benchmarks/sized_models.py writes 0.5B/1.5B ones)
+    python benchmarks/sft_vs_trl.py --model 1.5b.gguf --steps 6   # fewer steps for a large model
 
 Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1 (or --model); 160 chat rows, row i user
 "What is A + B?" and assistant "A+B" with A, B drawn by random.Random(0); loss on the
 assistant tokens only; LoRA rank 8, alpha 16 on q, k, v, o, gate, up, down; step k trains
-rows 8k..8k+7 in order, 20 steps; AdamW lr 1e-4 constant, no weight decay, gradient clip 1.0;
+rows 8k..8k+7 in order, 20 steps (--steps); AdamW lr 1e-4 constant, no weight decay, gradient clip 1.0;
 2 threads. TRL: transformers dequantizes the GGUF to float32, PEFT LoRA, SFTTrainer on
 prompt/completion conversations with completion_only_loss, fp32, no gradient checkpointing.
 Ours: what a user runs, `retrograd train` in its own process on a TOML this script writes
@@ -48,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from sized_models import bench_model, use_model
@@ -57,7 +58,8 @@ TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
 SIDES = ("trl", "ours-f32", "ours-bf16", "ours-bf16-gc")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 OUR_TARGETS = ["q", "k", "v", "o", "ffn_gate", "ffn_up", "ffn_down"]
-LOSS_STEPS = (1, 5, 10, 20)
+LOSS_STEPS = (1, 5, 10, 20)  # those the run has
+STEPS_ENV = "RETROGRAD_BENCH_SFT_STEPS"  # --steps, for the children
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class Workload:
         return pairs
 
 
-WORK = Workload()
+WORK = Workload(steps=int(os.environ.get(STEPS_ENV, "20")))
 
 
 def peak_rss_bytes(who=resource.RUSAGE_SELF) -> int:
@@ -421,10 +423,11 @@ def print_report(results: dict[str, dict], probe: dict[str, float] | None) -> No
         print(f"\nCPU matmul probe, {WORK.threads} threads: f32 {probe['f32']:.0f} GFLOP/s, bf16 {probe['bf16']:.0f} GFLOP/s")
     sides = list(results)
     ours = [s for s in sides if s != "trl"]
+    n = WORK.steps
     rows = [  # label, cell, the key whose ratio to TRL is printed (or None)
-        ("tok/s steady (steps 2-20)", lambda s: f"{s['tok_s']:.0f}", "tok_s"),
+        (f"tok/s steady (steps 2-{n})", lambda s: f"{s['tok_s']:.0f}", "tok_s"),
         ("tok/s steady, wall", lambda s: f"{s['tok_s_wall']:.0f}", "tok_s_wall"),
-        ("tok/s all 20 steps", lambda s: f"{s['tok_s_all']:.0f}", "tok_s_all"),
+        (f"tok/s all {n} steps", lambda s: f"{s['tok_s_all']:.0f}", "tok_s_all"),
         ("step 1 (warm-up) s", lambda s: f"{s['first_step_s']:.2f}", None),
         ("steady step s", lambda s: f"{s['steady_step_s']:.3f}", None),
         ("start-up s", lambda s: f"{s['startup_s']:.1f}", "startup_s"),
@@ -432,9 +435,9 @@ def print_report(results: dict[str, dict], probe: dict[str, float] | None) -> No
         ("GFLOP/s executed", lambda s: f"{s['gflop_s']:.1f}", "gflop_s"),
         ("peak RSS GiB (process)", lambda s: f"{s['rss_peak'] / gib:.2f}", "rss_peak"),
         ("RSS GiB at step ends, max", lambda s: f"{s['rss_step_max'] / gib:.2f}", "rss_step_max"),
-        ("input tokens (20 steps)", lambda s: f"{s['tokens']}", None),
-        ("trained tokens (20 steps)", lambda s: f"{s['trained']}", None),
-        *((f"loss step {k}", lambda s, k=k: f"{s['losses'][k - 1]:.3f}", None) for k in LOSS_STEPS),
+        (f"input tokens ({n} steps)", lambda s: f"{s['tokens']}", None),
+        (f"trained tokens ({n} steps)", lambda s: f"{s['trained']}", None),
+        *((f"loss step {k}", lambda s, k=k: f"{s['losses'][k - 1]:.3f}", None) for k in (*(k for k in LOSS_STEPS if k < n), n)),
         ("other processes, cores", lambda s: f"{s['other_cores']:.2f}", None),
     ]
     ratios = ours if "trl" in results else []
@@ -453,13 +456,19 @@ def print_report(results: dict[str, dict], probe: dict[str, float] | None) -> No
 
 
 def main() -> None:
+    global WORK
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
     ap.add_argument("--profile", choices=("f32", "bf16"), help="profile our first 4 steps in this process and stop")
     ap.add_argument("--model", type=Path, help="the base GGUF (default: the bundled SmolLM2-135M; benchmarks/sized_models.py writes 0.5B and 1.5B ones)")
+    ap.add_argument("--steps", type=int, default=WORK.steps, help="optimizer steps per side, at least 2 (default 20)")
     ap.add_argument("--_child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     use_model(args.model, "sft_vs_trl")
+    if args.steps < 2:
+        sys.exit("sft_vs_trl: --steps must be at least 2 (step 1 warms up)")
+    WORK = replace(WORK, steps=args.steps)
+    os.environ[STEPS_ENV] = str(args.steps)
     if args._child:
         print(json.dumps(CHILDREN[args._child]()))
         return
