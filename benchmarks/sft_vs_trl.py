@@ -13,7 +13,7 @@ rows 8k..8k+7 in order, 20 steps (--steps); AdamW lr 1e-4 constant, no weight de
 2 threads. TRL: transformers dequantizes the GGUF to float32, PEFT LoRA, SFTTrainer on
 prompt/completion conversations with completion_only_loss, fp32, no gradient checkpointing.
 Ours: what a user runs, `retrograd train` in its own process on a TOML this script writes
-(the default [model] weights, f32 or bf16 compute, sft.shuffle = false, gradient_accumulation = 1 and a
+(the default [model] weights, or "quantized" for ours-f32-quantized, f32 or bf16 compute, sft.shuffle = false, gradient_accumulation = 1 and a
 micro_batch token budget that packs exactly rows 8k..8k+7 into step k, which is checked with
 the recipe's own planner; no evaluation, no checkpoints); its numbers come from the run's own
 metrics.jsonl, so they are the progress table's.
@@ -55,7 +55,7 @@ from pathlib import Path
 from sized_models import bench_model, use_model
 
 TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
-SIDES = ("trl", "ours-f32", "ours-bf16", "ours-bf16-gc")
+SIDES = ("trl", "ours-f32", "ours-bf16", "ours-bf16-gc", "ours-f32-quantized")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 OUR_TARGETS = ["q", "k", "v", "o", "ffn_gate", "ffn_up", "ffn_down"]
 LOSS_STEPS = (1, 5, 10, 20)  # those the run has
@@ -98,7 +98,8 @@ def peak_rss_bytes(who=resource.RUSAGE_SELF) -> int:
 # ----------------------------------------------------------------------------- ours
 
 
-def write_run(folder: Path, dtype: str, *, checkpointing: bool = False, micro_batch: int | None = None) -> Path:
+def write_run(folder: Path, dtype: str, *, checkpointing: bool = False, micro_batch: int | None = None,
+              weights: str = "auto") -> Path:
     """The workload as a `retrograd train` TOML (data file beside it), with the micro_batch
     budget that packs 8 rows per step (`step_budget`; found on a first version without it)."""
     data = folder / "sums.jsonl"
@@ -112,6 +113,7 @@ algorithm = "sft"
 
 [model]
 path = "{bench_model()}"
+weights = "{weights}"
 
 [output]
 path = "{folder / 'out' / 'adapter.gguf'}"
@@ -158,11 +160,11 @@ def step_budget(config: Path) -> tuple[list, int]:
     return examples, budget
 
 
-def run_ours(dtype: str, checkpointing: bool = False) -> dict:
+def run_ours(dtype: str, checkpointing: bool = False, weights: str = "auto") -> dict:
     """`retrograd train` on the workload's TOML, in a process of its own; its metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
         examples, budget = step_budget(write_run(Path(tmp), dtype))
-        config = write_run(Path(tmp), dtype, checkpointing=checkpointing, micro_batch=budget)
+        config = write_run(Path(tmp), dtype, checkpointing=checkpointing, micro_batch=budget, weights=weights)
         launched = time.time()
         res = subprocess.run([sys.executable, "-m", "retrograd", "train", str(config)], check=False, capture_output=True, text=True)
         wall = time.time() - launched
@@ -280,6 +282,7 @@ CHILDREN = {
     "ours-f32": lambda: run_ours("f32"),
     "ours-bf16": lambda: run_ours("bf16"),
     "ours-bf16-gc": lambda: run_ours("bf16", checkpointing=True),
+    "ours-f32-quantized": lambda: run_ours("f32", weights="quantized"),  # the base in its GGUF blocks
 }
 
 
