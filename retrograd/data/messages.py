@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from retrograd.data.tools import ERROR_PREFIX, ToolCall, decode_arguments, parse_calls
+from retrograd.data.tools import ERROR_PREFIX, ToolCall, assistant_message, decode_arguments, parse_calls
 from retrograd.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -105,9 +105,7 @@ class _Turns:
         else:
             calls = declared
             content = _content(message, at, optional=bool(calls))
-            self.out.append(
-                {"role": "assistant", "content": content} | ({"tool_calls": _openai(calls)} if calls else {})
-            )
+            self.out.append(assistant_message(content, calls))
         for call in calls:
             if self.tool_names and call.name not in self.tool_names:
                 raise DataError(
@@ -197,10 +195,6 @@ def _catalogue(value: Any, where: str) -> tuple[dict[str, Any], ...]:
         names.add(fn["name"])
         tools.append({"type": "function", "function": dict(fn)})
     return tuple(tools)
-
-
-def _openai(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
 def _ids(calls: list[ToolCall]) -> str:

@@ -55,6 +55,12 @@ def call_markup(calls: list[ToolCall]) -> str:
     )
 
 
+def assistant_message(content: str, calls: list[ToolCall] | tuple[ToolCall, ...]) -> dict[str, Any]:
+    """A structured assistant turn: its words, and its calls in OpenAI's form (arguments as an object)."""
+    tool_calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return {"role": "assistant", "content": content} | ({"tool_calls": tool_calls} if tool_calls else {})
+
+
 def text_around_calls(text: str) -> str:
     """An assistant turn's words besides its calls: the text before the first `<tool_call>`
     and after the last `</tool_call>` (not an open block's beginning), joined."""

@@ -43,7 +43,7 @@ from typing import IO
 from retrograd.config import Config
 from retrograd.data.sft import chat_example
 from retrograd.data.shapes import Chat
-from retrograd.data.tools import ERROR_PREFIX, ToolCall, text_around_calls
+from retrograd.data.tools import ERROR_PREFIX, ToolCall, assistant_message, text_around_calls
 from retrograd.errors import ConfigError, DataError
 from retrograd.gguf.adapter import read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
@@ -305,9 +305,7 @@ def structured_record(t: Trajectory, reward: float) -> dict:
     def turn_messages(turn, first_id: int) -> list[dict]:
         calls = [ToolCall(f"call_{first_id + i}", step.name, step.arguments) for i, step in enumerate(turn.calls)]
         words = turn.content if turn.content is not None else text_around_calls(turn.text) if calls else turn.text
-        return [{"role": "assistant", "content": words}
-                | ({"tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                   for c in calls]} if calls else {}),
+        return [assistant_message(words, calls),
                 *({"role": "tool", "content": step.content, "tool_call_id": c.id} | ({"is_error": True} if step.is_error else {})
                   for c, step in zip(calls, turn.calls))]
     return _record(t, reward, turn_messages)

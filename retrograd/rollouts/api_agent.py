@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import httpx
 
 from retrograd.config import CollectApiSection
-from retrograd.data.tools import ERROR_PREFIX, ToolCall, call_markup, decode_arguments
+from retrograd.data.tools import ERROR_PREFIX, ToolCall, assistant_message, call_markup, decode_arguments
 from retrograd.errors import ConfigError, DataError
 from retrograd.rollouts.agent import AgentRollouts, LiveTrajectory, Turn, render
 
@@ -180,9 +180,7 @@ class EndpointRollouts(AgentRollouts):
         note = reply.note
         live.pending = list(reply.calls)
         live.calls.append(reply.calls)
-        live.messages.append({"role": "assistant", "content": reply.content}
-                             | ({"tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                                for c in reply.calls]} if reply.calls else {}))
+        live.messages.append(assistant_message(reply.content, reply.calls))
         if not reply.calls and note is None:
             if self.limits.end_on_no_tool_call:
                 live.stop = "no_tool_call"
