@@ -39,8 +39,8 @@ def measure(model: str, mode: str, dtype: str, tokens: list[int]) -> dict:
 
     torch.set_num_threads(2)
     path = default_model_path() if model == "smollm2" else gemma3_path()
-    for qtype in {t.qtype for t in GGUFFile(path).tensors.values()} & set(CODECS):  # compile kernels first:
-        codec = CODECS[qtype]  # the baseline then holds torch, inductor and llama.cpp, not the model
+    for qtype in {t.qtype for t in GGUFFile(path).tensors.values()} & set(CODECS):  # build the C loops first:
+        codec = CODECS[qtype]  # the baseline then holds torch, them and llama.cpp, not the model
         dequantize(torch.zeros(4 * codec.type_size, dtype=torch.uint8), qtype, (4 * codec.block_size,))
     start = rss_bytes()
     tokenizer = Tokenizer(path)  # llama.cpp's vocabulary, reported on its own line
@@ -48,7 +48,7 @@ def measure(model: str, mode: str, dtype: str, tokens: list[int]) -> dict:
     m = load_model(path, weights=mode, compute_dtype=dtype, tokenizer=tokenizer)
     t = m.transformer
     with torch.no_grad():
-        t(torch.zeros(8, dtype=torch.long))  # touch every weight page once (and compile kernels)
+        t(torch.zeros(8, dtype=torch.long))  # touch every weight page once
     out = {"file": m.file_size, "rss": rss_bytes() - before, "held": m.weight_bytes, "tokenizer": before - start}
     attach_lora(t, ["auto"], rank=8, alpha=16.0, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -113,7 +113,7 @@ def weight_modes(quick: bool) -> None:
 
     mib = 2**20
     print("\nResident memory of the loaded base weights (RSS increase from load + one forward, over a baseline with")
-    print("kernels compiled and llama.cpp's tokenizer open; the tokenizer's own RSS is the last column)")
+    print("dequantizers loaded and llama.cpp's tokenizer open; the tokenizer's own RSS is the last column)")
     print(f"{'model':<8} {'weights':<10} {'file MiB':>9} {'held MiB':>9} {'RSS MiB':>9} {'RSS/file':>9} {'tokenizer MiB':>14}")
     for model in models:
         for mode in MODES:

@@ -5,21 +5,21 @@ float32 values and equals `gguf.quants.dequantize` bit for bit: the float operat
 are the same and happen in the same order (scale products first, then one multiply and
 one add or subtract), as in ggml's `dequantize_row_*` reference code.
 
-`dequantize(raw, qtype, shape, dtype)` is the entry point. On the CPU the codecs are
-compiled with torch.compile when a C++ compiler is available (the eager versions cost
-~0.6 s per SmolLM2 forward; the compiled ones ~10x less); the compiled and eager paths
-give identical bits (tests check both).
+`dequantize(raw, qtype, shape, dtype)` is the entry point. On the CPU it runs the C loops
+of `native_dequant.py` (the same operations in the same order, 2-10x faster than these
+codecs compiled by torch.compile, which they replace); these torch codecs serve other
+devices and machines without a C compiler. Tests check both against gguf.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+from retrograd.kernels import native_dequant
 
 QK_K = 256
 
@@ -44,9 +44,11 @@ def _codec(qtype: QT):
     return register
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """Two little-endian bytes per row -> float32 column [n, 1]."""
-    return b.contiguous().view(torch.float16).to(torch.float32)
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The little-endian f16 at byte `offset` of each block -> float32 column [n, 1]. The
+    whole row is reinterpreted (every block size is even) rather than the two bytes copied
+    out first: that copy was a serial loop of its own in the compiled kernel."""
+    return blocks.view(torch.float16)[:, offset // 2, None].to(torch.float32)
 
 
 def _nibbles(qs: torch.Tensor, groups: int, width: int) -> torch.Tensor:
@@ -81,15 +83,15 @@ def _bf16(blocks):
 @_codec(QT.Q8_0)
 def _q8_0(blocks):
     # 2 bytes f16 scale + 32 int8
-    d = _f16(blocks[:, :2])
-    q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    d = _f16(blocks, 0)
+    q = blocks.view(torch.int8)[:, 2:].to(torch.float32)
     return q * d
 
 
 @_codec(QT.Q4_0)
 def _q4_0(blocks):
     # 2 bytes f16 scale + 16 bytes of nibbles, offset 8
-    d = _f16(blocks[:, :2])
+    d = _f16(blocks, 0)
     q = _nibbles(blocks[:, 2:], 1, 16).reshape(blocks.shape[0], 32).to(torch.int8) - 8
     return d * q.to(torch.float32)
 
@@ -97,8 +99,8 @@ def _q4_0(blocks):
 @_codec(QT.Q4_1)
 def _q4_1(blocks):
     # f16 scale + f16 min + 16 bytes of nibbles
-    d = _f16(blocks[:, :2])
-    m = _f16(blocks[:, 2:4])
+    d = _f16(blocks, 0)
+    m = _f16(blocks, 2)
     q = _nibbles(blocks[:, 4:], 1, 16).reshape(blocks.shape[0], 32).to(torch.float32)
     return d * q + m
 
@@ -106,7 +108,7 @@ def _q4_1(blocks):
 @_codec(QT.Q5_0)
 def _q5_0(blocks):
     # f16 scale + 4 bytes of 5th bits + 16 bytes of nibbles, offset 16
-    d = _f16(blocks[:, :2])
+    d = _f16(blocks, 0)
     qh = _bits(blocks[:, 2:6], 8)
     ql = _nibbles(blocks[:, 6:], 1, 16).reshape(blocks.shape[0], 32)
     q = (ql | (qh << 4)).to(torch.int8) - 16
@@ -116,8 +118,8 @@ def _q5_0(blocks):
 @_codec(QT.Q5_1)
 def _q5_1(blocks):
     # f16 scale + f16 min + 4 bytes of 5th bits + 16 bytes of nibbles
-    d = _f16(blocks[:, :2])
-    m = _f16(blocks[:, 2:4])
+    d = _f16(blocks, 0)
+    m = _f16(blocks, 2)
     qh = _bits(blocks[:, 4:8], 8)
     ql = _nibbles(blocks[:, 8:], 1, 16).reshape(blocks.shape[0], 32)
     q = (ql | (qh << 4)).to(torch.float32)
@@ -138,8 +140,8 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _q4_k(blocks):
     # f16 d + f16 dmin + 12 bytes scales + 128 bytes nibbles; 8 sub-blocks of 32
     n = blocks.shape[0]
-    d = _f16(blocks[:, :2])
-    dmin = _f16(blocks[:, 2:4])
+    d = _f16(blocks, 0)
+    dmin = _f16(blocks, 2)
     sc, mn = _k_scales(blocks[:, 4:16])
     dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
@@ -151,8 +153,8 @@ def _q4_k(blocks):
 def _q5_k(blocks):
     # f16 d + f16 dmin + 12 bytes scales + 32 bytes of 5th bits + 128 bytes nibbles
     n = blocks.shape[0]
-    d = _f16(blocks[:, :2])
-    dmin = _f16(blocks[:, 2:4])
+    d = _f16(blocks, 0)
+    dmin = _f16(blocks, 2)
     sc, mn = _k_scales(blocks[:, 4:16])
     dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
@@ -170,54 +172,29 @@ def _q6_k(blocks):
     ql = _nibbles(blocks[:, :128], 2, 64).reshape(n, 8, 32)
     qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).reshape(1, 1, 4, 1)
     qh = (qh & 0x03).reshape(n, 8, 32)
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    d = _f16(blocks[:, 208:210])
+    scales = blocks.view(torch.int8)[:, 192:208].to(torch.float32)
+    d = _f16(blocks, 208)
     dl = (d * scales).reshape(n, 16, 1)
     q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
     return (dl * q).reshape(n, QK_K)
 
 
-TORCH_TYPES = frozenset(CODECS)
-
-
-def _compiler_available() -> bool:
-    if os.environ.get("RETROGRAD_NO_COMPILE"):
-        return False
-    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
-
-
-_compiled: dict[QT, Callable[[torch.Tensor], torch.Tensor]] = {}
-
-
-def _blocks_fn(qtype: QT, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The codec, compiled once per type on the CPU (the cast to the compute dtype stays
-    outside: compiled float32 plus an eager cast measured faster than a compiled bf16 kernel)."""
-    fn = CODECS[qtype].dequantize_blocks
-    if device.type != "cpu" or not _compiler_available() or qtype in (QT.F32, QT.F16, QT.BF16):
-        return fn
-    if qtype not in _compiled:
-        _compiled[qtype] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return _compiled[qtype]
-
-
-def dequantize(
-    raw: torch.Tensor,
-    qtype: QT,
-    shape: tuple[int, ...],
-    dtype: torch.dtype = torch.float32,
-    *,
-    compiled: bool = True,
-) -> torch.Tensor:
+def dequantize(raw: torch.Tensor, qtype: QT, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Raw GGUF bytes (uint8, any shape whose byte count is whole blocks) -> `shape` in `dtype`.
 
-    `shape` is the torch (row-major) shape, i.e. the reverse of GGUF's `ne`.
+    `shape` is the torch (row-major) shape, i.e. the reverse of GGUF's `ne`. On the CPU the
+    block types run in native_dequant's C loops when they are built (the same bits), on
+    other devices in the torch codecs above.
     """
     codec = CODECS.get(qtype)
     if codec is None:
         raise ValueError(f"no torch dequantizer for {qtype.name}; supported: {supported_names()}")
     blocks = raw.reshape(-1, codec.type_size)
-    fn = _blocks_fn(qtype, raw.device) if compiled else codec.dequantize_blocks
-    return fn(blocks).to(dtype).reshape(shape)
+    if raw.device.type == "cpu" and native_dequant.available(qtype):
+        out = native_dequant.dequantize_blocks(blocks, qtype)
+    else:
+        out = codec.dequantize_blocks(blocks)
+    return out.to(dtype).reshape(shape)
 
 
 def supported_names() -> str:

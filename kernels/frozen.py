@@ -26,6 +26,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
+
 from retrograd.kernels.dequant import CODECS, dequantize
 
 # Dense copies (kept for a run or for a scope) may take at most this share of the memory that
@@ -68,16 +69,14 @@ class FrozenWeight:
             return self.data
         return None
 
-    def dense(self, dtype: torch.dtype, *, once: bool = False) -> torch.Tensor:
-        """The whole matrix in `dtype`. `once`: a one-time conversion (at load), done by the
-        eager codec: compiling it would cost more than it saves (SmolLM2's load: 2.2 s eager,
-        5.4 s compiled from inductor's cache, 12 s on a fresh install)."""
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole matrix in `dtype`."""
         held = self.ready(dtype)
         if held is not None:
             return held
         if self.is_dense:
             return self.data.to(dtype)
-        return dequantize(self.data, self.qtype, (self.n_rows, self.shape[-1]), dtype, compiled=not once)
+        return dequantize(self.data, self.qtype, (self.n_rows, self.shape[-1]), dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` (any shape) -> `[*index.shape, n_in]`: an embedding lookup."""
@@ -86,8 +85,8 @@ class FrozenWeight:
             return held[index]
         if self.is_dense:
             return self.data[index].to(dtype)
-        flat = index.reshape(-1)  # a few rows: the eager codec, no compile for them
-        out = dequantize(self.data[flat], self.qtype, (flat.numel(), self.shape[-1]), dtype, compiled=False)
+        flat = index.reshape(-1)
+        out = dequantize(self.data[flat], self.qtype, (flat.numel(), self.shape[-1]), dtype)
         return out.reshape(*index.shape, self.shape[-1])
 
     def row_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +111,7 @@ class FrozenWeight:
 
     def to_dense(self, dtype: torch.dtype) -> FrozenWeight:
         """A copy dequantized once (the `bf16` / `f32` weight modes)."""
-        return FrozenWeight(self.name, self.dense(dtype, once=True).contiguous(), self.qtype, self.shape)
+        return FrozenWeight(self.name, self.dense(dtype).contiguous(), self.qtype, self.shape)
 
     def __repr__(self) -> str:
         return f"FrozenWeight({self.name}, {self.qtype.name}, {list(self.shape)})"

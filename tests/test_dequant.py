@@ -1,11 +1,12 @@
-"""Every torch block dequantizer equals gguf.quants.dequantize bit for bit, compiled or not."""
+"""Every block dequantizer, the torch codecs and the C loops, equals gguf.quants.dequantize bit for bit."""
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+from retrograd.kernels import native_dequant
 from retrograd.kernels.dequant import CODECS, dequantize
 from retrograd.kernels.frozen import FrozenWeight, frozen_linear
 
@@ -37,14 +38,25 @@ def test_required_types_have_torch_kernels():
     assert REQUIRED <= set(CODECS)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("qtype", sorted(CODECS, key=lambda q: q.value), ids=lambda q: q.name)
-def test_kernel_equals_gguf_dequantize(qtype, compiled):
+def test_the_c_loops_are_built_here():
+    """CI's machines have a C compiler: a broken build must fail here, not fall back quietly."""
+    assert all(native_dequant.available(q) for q in native_dequant.FUNCTIONS)
+
+
+KERNELS = [(q, "torch") for q in sorted(CODECS, key=lambda q: q.value)] + [(q, "c") for q in native_dequant.FUNCTIONS]
+
+
+@pytest.mark.parametrize(("qtype", "kernel"), KERNELS, ids=lambda v: getattr(v, "name", v))
+def test_kernel_equals_gguf_dequantize(qtype, kernel):
     rng = np.random.default_rng(qtype.value)
-    raw = random_blocks(qtype, 257, rng)
+    raw = random_blocks(qtype, 4099, rng)  # past the C loops' threading threshold (1024 blocks)
     expected = np.asarray(gguf.quants.dequantize(raw.reshape(-1), qtype), dtype=np.float32).reshape(-1)
     assert np.isfinite(expected).all()
-    ours = dequantize(torch.from_numpy(raw), qtype, (expected.size,), compiled=compiled).numpy()
+    blocks = torch.from_numpy(raw)
+    if kernel == "c":
+        ours = native_dequant.dequantize_blocks(blocks, qtype).numpy().reshape(-1)
+    else:
+        ours = CODECS[qtype].dequantize_blocks(blocks).numpy().reshape(-1)
     bad = np.flatnonzero(ours.view(np.uint32) != expected.view(np.uint32))
     assert bad.size == 0, f"{bad.size} values differ, first at {bad[0]}: {ours[bad[0]]} vs {expected[bad[0]]}"
 
@@ -79,17 +91,29 @@ def test_frozen_linear_gradient_matches_dense_weight():
     torch.testing.assert_close(w.rows(ids, torch.float32), dense[ids], rtol=0, atol=0)
 
 
-def test_loading_dense_weights_compiles_nothing(smollm2, monkeypatch):
-    """`auto` and the dense weight modes dequantize each matrix once, at load, with the eager
-    codecs: a torch.compile there cost a fresh install 10 s of its first model load."""
+def test_loading_and_dequantizing_compile_nothing(smollm2, monkeypatch):
+    """No torch.compile on the way to a first forward (a compile there cost a fresh install
+    10 s of its first model load), in every weight mode: the C loops dequantize."""
     import retrograd
 
     def refuse(*args, **kwargs):
         raise AssertionError("torch.compile called while loading")
 
     monkeypatch.setattr(torch, "compile", refuse)
-    monkeypatch.setattr("retrograd.kernels.dequant._compiled", {})
-    for weights in ("auto", "f32"):
+    for weights in ("auto", "f32", "quantized"):
         model = retrograd.load_model(smollm2, weights=weights)
-        assert model.weights_choice.startswith(("auto: dense", "f32"))
+        assert model.weights_choice.startswith(("auto: dense", "f32", "quantized"))
         model.transformer(torch.arange(8))  # the embedding's rows come from its blocks, eagerly too
+
+
+def test_without_a_compiler_the_torch_codecs_dequantize(monkeypatch):
+    """$RETROGRAD_NO_COMPILE (or no C compiler) leaves the torch codecs, with the same bits."""
+    raw = torch.from_numpy(random_blocks(QT.Q6_K, 2048, np.random.default_rng(3)))
+    with_c = dequantize(raw, QT.Q6_K, (2048 * 256,))
+    monkeypatch.setenv("RETROGRAD_NO_COMPILE", "1")
+    native_dequant._library.cache_clear()
+    try:
+        assert not native_dequant.available(QT.Q6_K)
+        assert torch.equal(dequantize(raw, QT.Q6_K, (2048 * 256,)), with_c)
+    finally:
+        native_dequant._library.cache_clear()

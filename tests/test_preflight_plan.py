@@ -82,15 +82,6 @@ max_new_tokens = 8
     return cfg
 
 
-def warm_compiled_dequantization() -> None:
-    """Quantized weights are dequantized per use by torch.compile'd kernels, and the probe and
-    the run share inductor's on-disk cache: on a cold cache (a fresh machine, or just after
-    kernels/dequant.py changed) whichever runs first pays the compile's memory (seen: the
-    probe's peak 37% over the run's) and the other does not. Compile them first, apart."""
-    subprocess.run([sys.executable, "-c", "from retrograd import load_model; "
-                    "load_model(weights='quantized').logits([1, 2, 3])"], check=True, capture_output=True)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["sft-dense", "sft-quantized-checkpointed", "grpo"])
 def test_predictions_match_a_real_run(tmp_path, shape):
@@ -103,8 +94,6 @@ def test_predictions_match_a_real_run(tmp_path, shape):
             lora='targets = ["q", "v"]'),
         "grpo": lambda: grpo_config(tmp_path),
     }[shape]()
-    if shape == "sft-quantized-checkpointed":
-        warm_compiled_dequantization()
     predicted = planner.plan(load_config(cfg), planner.default_budget())
     assert predicted.configured.fits and predicted.remedy is None
     peak, per_step, steps = measure_train(cfg)

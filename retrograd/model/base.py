@@ -123,11 +123,11 @@ def hold_dense(transformer: Transformer, device: torch.device) -> str:
         return f"auto: quantized (GGUF blocks, dequantized per use): dense {dtype_name} copies ({cost / 2**20:.0f} MiB) exceed the budget ({budget})"
     for w in todo:
         if w is embedding:  # exact float32 rows come from the blocks; its own copy frees the file mapping
-            w.data, w.kept = w.data.clone(), w.dense(dtype, once=True).contiguous()
+            w.data, w.kept = w.data.clone(), w.dense(dtype).contiguous()
         elif w.name.endswith("ffn_gate_inp.weight"):  # a MoE router multiplies in float32 (moe.py): not rounded to bf16
-            w.data, w.kept = w.dense(torch.float32, once=True).contiguous(), None
+            w.data, w.kept = w.dense(torch.float32).contiguous(), None
         else:
-            w.data, w.kept = w.dense(dtype, once=True).contiguous(), None
+            w.data, w.kept = w.dense(dtype).contiguous(), None
     return f"auto: dense {dtype_name} ({cost / 2**20:.0f} MiB; budget {budget})"
 
 
