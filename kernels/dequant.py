@@ -46,8 +46,7 @@ def _codec(qtype: QT):
 
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     """The little-endian f16 at byte `offset` of each block -> float32 column [n, 1]. The
-    whole row is reinterpreted (every block size is even) rather than the two bytes copied
-    out first: that copy was a serial loop of its own in the compiled kernel."""
+    whole row is reinterpreted (every block size is even), so no copy of the two bytes is made."""
     return blocks.view(torch.float16)[:, offset // 2, None].to(torch.float32)
 
 
