@@ -29,6 +29,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 SOURCE = r"""
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -123,34 +124,31 @@ void q5_1(const uint8_t *blocks, float *out, int64_t n, int threads) {
     }
 }
 
+/* one Q4_K or Q5_K block; qh (the fifth bits) is NULL for Q4_K, and inlining folds the test away */
+static inline void k_block(const uint8_t *b, const uint8_t *qh, const uint8_t *qs, float *y) {
+    float d = f16(b), dmin = f16(b + 2);
+    for (int s = 0; s < 8; s++) {
+        int sc, mn;
+        k_scale(b + 4, s, &sc, &mn);
+        float dl = d * (float)sc, ml = dmin * (float)mn;
+        const uint8_t *q = qs + 32 * (s / 2);
+        int shift = 4 * (s % 2);
+        for (int l = 0; l < 32; l++) {
+            int high = qh ? ((qh[l] >> s) & 1) << 4 : 0;
+            y[32 * s + l] = dl * (float)(((q[l] >> shift) & 0x0f) | high) - ml;
+        }
+    }
+}
+
 void q4_k(const uint8_t *blocks, float *out, int64_t n, int threads) {
     BLOCKS(144, 256)
-        float d = f16(b), dmin = f16(b + 2);
-        const uint8_t *qs = b + 16;
-        for (int s = 0; s < 8; s++) {
-            int sc, mn;
-            k_scale(b + 4, s, &sc, &mn);
-            float dl = d * (float)sc, ml = dmin * (float)mn;
-            const uint8_t *q = qs + 32 * (s / 2);
-            int shift = 4 * (s % 2);
-            for (int l = 0; l < 32; l++) y[32 * s + l] = dl * (float)((q[l] >> shift) & 0x0f) - ml;
-        }
+        k_block(b, NULL, b + 16, y);
     }
 }
 
 void q5_k(const uint8_t *blocks, float *out, int64_t n, int threads) {
     BLOCKS(176, 256)
-        float d = f16(b), dmin = f16(b + 2);
-        const uint8_t *qh = b + 16, *qs = b + 48;
-        for (int s = 0; s < 8; s++) {
-            int sc, mn;
-            k_scale(b + 4, s, &sc, &mn);
-            float dl = d * (float)sc, ml = dmin * (float)mn;
-            const uint8_t *q = qs + 32 * (s / 2);
-            int shift = 4 * (s % 2);
-            for (int l = 0; l < 32; l++)
-                y[32 * s + l] = dl * (float)(((q[l] >> shift) & 0x0f) | (((qh[l] >> s) & 1) << 4)) - ml;
-        }
+        k_block(b, b + 16, b + 48, y);
     }
 }
 
