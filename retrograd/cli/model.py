@@ -28,7 +28,7 @@ def preflight(
     config: Optional[Path] = typer.Argument(None, help="A run's TOML file: probe that run and say whether it fits and how long a step takes."),
     model: ModelOpt = None,
     memory: Optional[str] = typer.Option(None, "--memory", metavar="SIZE", help="With CONFIG: the memory the run may use, e.g. 6GiB (default: what the system has available)."),
-    probe_steps: Optional[int] = typer.Option(None, "--probe-steps", min=2, help="With CONFIG: steps (updates) the probe runs; the first is not timed (default 4 steps, 2 updates)."),
+    probe_steps: Optional[int] = typer.Option(None, "--probe-steps", min=2, help="With CONFIG: steps (updates) the probe runs; the first is not timed (default: 4 steps or 2 updates, and on until 6 s were timed)."),
     targets: Optional[str] = typer.Option(None, "--targets", help="Comma-separated LoRA targets (q,k,v,o,ffn_up,ffn_down,ffn_gate, auto, or GGUF patterns; default auto)."),
     strict: bool = typer.Option(False, "--strict", help="Exit with status 1 when anything would run off the device."),
     device: Optional[str] = typer.Option(None, "--device", help="auto (a CUDA GPU if torch sees one), cpu or gpu."),

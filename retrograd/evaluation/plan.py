@@ -40,6 +40,9 @@ from retrograd.kernels.frozen import HOST_MEMORY_ENV
 from retrograd.runtime.memory import tree_rss_bytes
 
 PROBE_UNITS = {"steps": 4, "updates": 2}  # the first of each is warm-up and not timed
+# ...and then on until this much time was timed: a few one-second steps sample a VM whose speed
+# drifts by a third within a minute too briefly to stand for a run of many.
+PROBE_MIN_TIMED_SECONDS = 6.0
 MIN_MICRO_BATCH = 16
 WATCH_INTERVAL = 0.02
 
@@ -86,6 +89,7 @@ class _ProbeReporter:
 
     def __init__(self, out, units: int | None):
         self.out, self.units, self.base, self.unit = out, units, None, ""
+        self.timed_from = 0.0  # when the warm-up step ended
 
     def _send(self, **event) -> None:
         self.out.write(json.dumps(event) + "\n")
@@ -108,7 +112,12 @@ class _ProbeReporter:
             self.base = done
             return
         self._send(kind="step", done=done)
-        if done - self.base >= (self.units or PROBE_UNITS[self.unit]):
+        if done - self.base == 1:
+            self.timed_from = time.monotonic()
+        if self.units is not None:
+            if done - self.base >= self.units:
+                raise _ProbeDone
+        elif done - self.base >= PROBE_UNITS[self.unit] and time.monotonic() - self.timed_from >= PROBE_MIN_TIMED_SECONDS:
             raise _ProbeDone
 
     def finish(self) -> None:
