@@ -3,8 +3,8 @@
 A FrozenWeight holds either the raw GGUF bytes (dequantized per use) or a dense tensor
 (the `bf16` / `f32` weight modes, `auto` when it fits, or GGUF tensors that are already
 F32). Beside its blocks it may carry a dense copy in the compute dtype (`kept`): for the
-model's life (`auto`'s token embedding, whose float32 rows still come from the blocks) or
-for one scope (`keep_dense`: an update's scoring passes and optimizer steps), so that
+model's life (`auto`'s token embedding, whose float32 rows still come from the blocks; the
+quantized matrices of a rollout run from its first update on: `hold_copies`), so that
 micro-batches share one dequantization instead of paying two each (forward and backward).
 The copy holds exactly what dequantizing per use gives, so results are the same bits
 either way.
@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -146,40 +145,40 @@ def dense_budget(device: torch.device) -> Budget:
 
 @dataclass
 class Kept:
-    """What one `keep_dense` scope holds: `made` of the `wanted` weights that were not dense
+    """Dense copies made by `hold_copies`: `made` of the `wanted` weights that were not dense
     already (the rest did not fit), `nbytes` in all, within `budget` bytes."""
 
     made: int = 0
     wanted: int = 0
     nbytes: int = 0
     budget: int = 0
+    held: list = field(default_factory=list, repr=False)  # the FrozenWeights whose `kept` is set
 
     def describe(self) -> str:
         return f"kept {self.made} of {self.wanted} quantized base matrices dense ({self.nbytes / 2**20:.0f} MiB of a {self.budget / 2**20:.0f} MiB budget)"
 
-
-@contextmanager
-def keep_dense(weights: Iterable[FrozenWeight], dtype: torch.dtype, budget: int) -> Iterator[Kept]:
-    """Inside the block each weight that would be dequantized (or cast) per use holds a dense
-    copy in `dtype`, in order while the copies fit `budget` bytes; the rest keep dequantizing
-    per use. The copies are dropped on exit."""
-    stats = Kept(budget=budget)
-    made: list[FrozenWeight] = []
-    try:
-        for w in weights:
-            if w.ready(dtype) is not None:
-                continue
-            stats.wanted += 1
-            cost = w.dense_nbytes(dtype)
-            if stats.nbytes + cost <= budget:
-                w.kept = w.dense(dtype).contiguous()
-                made.append(w)
-                stats.made += 1
-                stats.nbytes += cost
-        yield stats
-    finally:
-        for w in made:
+    def release(self) -> None:
+        for w in self.held:
             w.kept = None
+        self.held.clear()
+
+
+def hold_copies(weights: Iterable[FrozenWeight], dtype: torch.dtype, budget: int) -> Kept:
+    """Each weight that would be dequantized (or cast) per use gets a dense copy in `dtype`,
+    in order while the copies fit `budget` bytes; the rest keep dequantizing per use. The
+    copies stay until `Kept.release`."""
+    kept = Kept(budget=budget)
+    for w in weights:
+        if w.ready(dtype) is not None:
+            continue
+        kept.wanted += 1
+        cost = w.dense_nbytes(dtype)
+        if kept.nbytes + cost <= budget:
+            w.kept = w.dense(dtype).contiguous()
+            kept.held.append(w)
+            kept.made += 1
+            kept.nbytes += cost
+    return kept
 
 
 class _FrozenLinear(torch.autograd.Function):

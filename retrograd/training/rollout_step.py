@@ -11,7 +11,8 @@ initialisation): then the reference is the policy, and the behaviour log-probs s
 both. Every log-prob is at the sampling temperature (LogprobOptions). It also measures how
 far llama.cpp's sampling log-probs are from torch's on the same tokens, and hands back
 torch's log-probs of every sample before the update (rollouts.jsonl). The whole update
-runs with the quantized base matrices held dense as far as memory allows (keep_dense).
+runs with the quantized base matrices held dense as far as memory allows, made at the first
+update and held for the run (Setup.dense_for_updates).
 """
 
 from __future__ import annotations
@@ -92,25 +93,23 @@ class PolicyOptimizer:
         old: list[torch.Tensor | None] = [None] * len(samples)
         parts, per_step = [], []
         passes = self.passes(rollouts)
-        with self.setup.keep_weights_dense() as kept:
-            if kept.wanted:
-                self.setup.detail(f"update {update + 1}: {kept.describe()}")
-            later = sorted(set(range(len(samples))) - set(steps[0])) if self.reuse_first_forward else list(range(len(samples)))
-            if len(steps) > 1 and later:
-                for i, logp in zip(later, self._score([rollouts[i] for i in later], passes, timing, "behavior_scoring")):
-                    old[i] = logp
-            ref = None
-            if beta > 0:
-                if kl_reference == "behavior" or (self.reuse_first_forward and adapter_is_zero(self.setup.adapter)):
-                    ref = old  # the reference is the behaviour policy; filled in as `old` is
-                else:
-                    with self.setup.adapter.disabled():
-                        ref = self._score(rollouts, passes, timing, "reference")
-            with timing.phase("optimizer"):
-                for idx in steps:
-                    step_parts = self._step(model, samples, idx, passes, old, ref, beta, budget_tokens)
-                    parts.extend(step_parts)
-                    per_step.append(merge_diagnostics(step_parts))
+        self.setup.dense_for_updates()
+        later = sorted(set(range(len(samples))) - set(steps[0])) if self.reuse_first_forward else list(range(len(samples)))
+        if len(steps) > 1 and later:
+            for i, logp in zip(later, self._score([rollouts[i] for i in later], passes, timing, "behavior_scoring")):
+                old[i] = logp
+        ref = None
+        if beta > 0:
+            if kl_reference == "behavior" or (self.reuse_first_forward and adapter_is_zero(self.setup.adapter)):
+                ref = old  # the reference is the behaviour policy; filled in as `old` is
+            else:
+                with self.setup.adapter.disabled():
+                    ref = self._score(rollouts, passes, timing, "reference")
+        with timing.phase("optimizer"):
+            for idx in steps:
+                step_parts = self._step(model, samples, idx, passes, old, ref, beta, budget_tokens)
+                parts.extend(step_parts)
+                per_step.append(merge_diagnostics(step_parts))
 
         before = [o.cpu() for o in old]
         merged = merge_diagnostics(parts)
