@@ -372,7 +372,12 @@ def test_api_a_refusal_that_every_request_would_get_stops_on_one_line(tmp_path, 
         endpoint.close()
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"error: agent.collect_api: {endpoint.url} refused the request with 401: ") and "no key" in proc.stderr
-    assert len(endpoint.bodies) == len(SCRIPTS) and not (tmp_path / "x.jsonl").exists()  # each member asked once, not again and not (tmp_path / "x.jsonl.tmp").exists()
+    # No member asked twice (a refusal is not retried); members whose request had not started
+    # when the first refusal came back are not asked at all (Executor.map cancels them: 5 of 6
+    # on a loaded machine).
+    seeds = [body["seed"] for body in endpoint.bodies]
+    assert 1 <= len(seeds) <= len(SCRIPTS) and len(set(seeds)) == len(seeds), seeds
+    assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "x.jsonl.tmp").exists()
 
 
 @pytest.mark.parametrize("extra, needle", [
