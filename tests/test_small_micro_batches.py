@@ -192,7 +192,7 @@ def test_reused_forward_and_skipped_reference_give_the_full_computation(tmp_path
 
 def test_a_rollout_run_makes_its_dense_copies_once_and_keeps_the_bits(tmp_path, tiny_model, monkeypatch, one_thread):
     """Quantized weights in a rollout run: the dense copies are made at the first update and
-    held for the rest (making 5 GiB again each update cost a 1.5B model 13-15 s), and every
+    held for the rest (making them again each update cost a 1.5B model 2-4 s on a Xeon, 13-15 s on an AMD EPYC VM), and every
     number is what dequantizing per use gives (a memory budget of 0: no copies at all)."""
     made = []
     monkeypatch.setattr(common, "hold_copies", lambda *a: made.append(hold_copies(*a)) or made[-1])

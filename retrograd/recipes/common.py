@@ -77,8 +77,9 @@ class Setup:
         """The quantized base matrices dequantized once, as many as fit the memory budget at
         the first update, and held for the run: every update's scoring passes and optimizer
         steps share them. The same bits as dequantizing per use. Making them again each
-        update cost 13-15 s of a 1.5B model's update on our VMs (5.3 GiB of fresh pages) and
-        did not lower the peak, which an update reaches with the copies made."""
+        update cost a 1.5B model 2-4 s per update on a Xeon and 13-15 s on an AMD EPYC VM
+        (5.3 GiB of fresh pages), and did not lower the peak, which an update reaches with
+        the copies made."""
         if self.dense_copies is None:
             t = self.model.transformer
             self.dense_copies = hold_copies(t.frozen_weights(), t.compute_dtype, dense_budget(self.device).nbytes)
