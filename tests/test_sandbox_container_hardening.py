@@ -4,6 +4,7 @@ config-level and need no Docker; the rest runs against the real daemon (marker `
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -12,6 +13,7 @@ import pytest
 
 from retrograd.errors import ConfigError
 from retrograd.rollouts.sandbox import (
+    DEFAULT_IMAGE,
     EnvironmentOptions,
     Limits,
     PoolOptions,
@@ -73,14 +75,39 @@ def test_dev_shm_is_sized_and_no_host_device_is_present(sandbox):
     assert not host["Devices"] and not host["DeviceRequests"] and not host["Privileged"]
 
 
+@pytest.fixture(scope="module")
+def image_without_python():
+    """The default image less python3: the container's init falls back to a shell."""
+    client = docker.from_env()
+    container = client.containers.run(DEFAULT_IMAGE, ["sh", "-c", "rm -f /usr/bin/python3*"], user="root",
+                                      detach=True)
+    try:
+        assert container.wait()["StatusCode"] == 0
+        image = container.commit(repository="retrograd-sandbox-test", tag="no-python3")
+    finally:
+        container.remove(force=True)
+    yield "retrograd-sandbox-test:no-python3"
+    client.images.remove(image.id, force=True)
+
+
 @pytest.mark.container
-def test_pid_1_is_an_init_that_reaps_orphans(sandbox):
-    assert run(sandbox, "tr '\\0' ' ' < /proc/1/cmdline").split(" ")[:2] == KEEPER[:2]
-    # 5 calls x 30 orphans that exit at once: more than pids = 64 if PID 1 left them as zombies.
-    for _ in range(5):
-        run(sandbox, "for i in $(seq 30); do (true &); done")
-    zombies = run(sandbox, "grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l")
-    assert int(zombies) == 0
+@pytest.mark.parametrize("image, init", [("default", ["python3", "-I", "-S", "-c"]), ("no python3", KEEPER[:2])])
+def test_pid_1_is_an_init_that_reaps_orphans(request, image, init):
+    options = EnvironmentOptions(type="container", limits=LIMITS, pool=PoolOptions(max_live=1))
+    if image == "no python3":
+        options = dataclasses.replace(options, image=request.getfixturevalue("image_without_python"))
+    with open_environment(options) as pool:
+        sandbox = pool.acquire()
+        assert run(sandbox, "tr '\\0' ' ' < /proc/1/cmdline").split(" ")[:len(init)] == init
+        # 5 calls x 30 orphans that exit at once: more than pids = 64 if PID 1 left them as zombies.
+        for _ in range(5):
+            run(sandbox, "for i in $(seq 30); do (true &); done")
+        zombies = run(sandbox, "grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l")
+        assert int(zombies) == 0
+        # A timeout's SIGUSR1 kills the command's whole tree and leaves PID 1 running.
+        spun = sandbox.exec(["sh", "-c", "(sleep 300 &); while :; do :; done"], timeout=1)
+        assert spun.timed_out and run(sandbox, "echo alive") == "alive\n"
+        assert "sleep 300" not in run(sandbox, "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
 
 
 # --- what a reused container forgets ------------------------------------------------------------

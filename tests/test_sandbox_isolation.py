@@ -240,6 +240,39 @@ def test_sigkill_leftovers_are_reaped_by_the_next_pool(docker_client, child):
 
 
 @pytest.mark.container
+def test_a_timeout_kill_needs_no_free_pid(docker_client, tools):
+    """The verifier's uid holds every pid (the policy's kill cannot touch it) when a timeout's
+    SIGUSR1 comes: init kills and reaps without forking. A shell init forked its next `sleep`
+    then, failed on EAGAIN and exited, stopping the container (a CI run lost that race to the
+    dying processes of a fork bomb)."""
+    fill_and_hold = ("import os, time\n"
+                     "children = 0\n"
+                     "while children < 1000:\n"
+                     "    try:\n"
+                     "        if os.fork() == 0:\n"
+                     "            os._exit(0)\n"
+                     "    except OSError:\n"
+                     "        break\n"
+                     "    children += 1\n"
+                     "time.sleep(3)\n"
+                     "print('held', children)\n")
+    pool = open_environment(EnvironmentOptions(type="container", limits=LIMITS, pool=PoolOptions(max_live=1)))
+    try:
+        sandbox = pool.acquire()
+        held = []
+        verifier = threading.Thread(target=lambda: held.append(
+            sandbox.exec(("python3", "-c", fill_and_hold), timeout=10, as_verifier=True)))
+        verifier.start()
+        time.sleep(1.5)
+        docker_client.api.kill(sandbox.id, signal="SIGUSR1")
+        verifier.join()
+        assert held[0].stdout.startswith(b"held ") and int(held[0].stdout.split()[1]) < LIMITS.pids
+        assert_still_usable(tools, sandbox)
+    finally:
+        pool.close()
+
+
+@pytest.mark.container
 def test_pool_limits_reuse_and_prewarm(docker_client, tools):
     options = EnvironmentOptions(type="container", limits=LIMITS, pool=PoolOptions(
         max_live=2, min_idle=2, reuse="workspace", max_leases_per_container=2))

@@ -5,10 +5,9 @@ a non-root user, every capability dropped, no-new-privileges, memory == memory+s
 pids and CPU limits, rlimits on open files and file size (no core dumps), a sized
 /dev/shm, no host devices (Docker's standard null, zero, full, random, urandom, tty
 only), a private cgroup namespace and a fixed hostname (so that no container id
-leaks into observations). PID 1 is a small shell that reaps orphans (it is the
-container's init) and, on SIGUSR1, SIGKILLs every other process: that is how a
-timeout kills a command's whole tree, even a fork bomb that leaves no pid for a
-helper process. A call that ends normally sweeps its leftover processes itself
+leaks into observations). PID 1 (KEEPER) reaps orphans (it is the container's init)
+and, on SIGUSR1, SIGKILLs every other process: that is how a timeout kills a
+command's whole tree, even a fork bomb that leaves no pid for a helper process. A call that ends normally sweeps its leftover processes itself
 (RUN_THEN_SWEEP). Docker's own init (`init=True`) cannot take PID 1's place: the
 keeper would then be PID 2, and the sweep's `kill -9 -1` would stop the container.
 
@@ -59,7 +58,27 @@ LABEL_RUN = "retrograd.pool"  # the run id
 LABEL_HOST = "retrograd.host"
 LABEL_OWNER = "retrograd.runtime.owner"  # owner.process_tag() of the process that created it
 LABEL_INSTANCE = "retrograd.instance"  # one pool; close() removes exactly these
-KEEPER = ["sh", "-c", "trap 'kill -9 -1' USR1; while :; do sleep 2147483647 & wait $!; done"]
+# PID 1, the container's init. In Python where the image has python3: it waits in sigwaitinfo, reaps
+# every child and never forks, so no pids limit can stop it. A shell init must fork its next `sleep`
+# when a sweep kills the last one; with every pid still held by dying processes, that fork fails,
+# the shell exits, and the container stops with it. Images without python3 get that shell.
+KEEPER_PY = """import os, signal
+wanted = {signal.SIGCHLD, signal.SIGUSR1}
+signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+while True:
+    if signal.sigwaitinfo(wanted).si_signo == signal.SIGUSR1:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+"""
+KEEPER = ["sh", "-c", 'command -v python3 >/dev/null && exec python3 -I -S -c "$0"; '
+                      "trap 'kill -9 -1' USR1; while :; do sleep 2147483647 & wait $!; done", KEEPER_PY]
 KILL_SIGNAL = "SIGUSR1"
 # Runs "$@", then SIGKILLs whatever it left behind: a call's processes end with the call, as in the
 # namespace sandbox, so the state between calls is the filesystem alone (and a fork bomb dies).
