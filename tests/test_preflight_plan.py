@@ -94,22 +94,25 @@ def test_predictions_match_a_real_run(tmp_path, shape):
             lora='targets = ["q", "v"]'),
         "grpo": lambda: grpo_config(tmp_path),
     }[shape]()
-    timing_misses = []
-    for _ in range(2):  # a second probe and run only when the first pair's timing missed
+    memory_misses, timing_misses = [], []
+    for _ in range(2):  # a second probe and run only when the first pair missed
         predicted = planner.plan(load_config(cfg), planner.default_budget())
         assert predicted.configured.fits and predicted.remedy is None
         peak, per_step, steps = measure_train(cfg)
         probe = predicted.configured
         print(f"{shape}: peak predicted {probe.peak_bytes / GiB:.3f} GiB, measured {peak / GiB:.3f}; "
               f"s/{probe.unit[:-1]} predicted {probe.seconds_per_unit:.2f}, measured {per_step:.2f}")
-        assert abs(probe.peak_bytes / peak - 1) <= 0.15
         assert probe.total_units == steps
+        memory_misses.append(abs(probe.peak_bytes / peak - 1))
         timing_misses.append(abs(probe.seconds_per_unit / per_step - 1))
-        if timing_misses[-1] <= 0.30:
+        if memory_misses[-1] <= 0.15 and timing_misses[-1] <= 0.30:
             break
-    # On these shared VMs the host's own speed drifts: an idle 2-thread f32 matmul measured
-    # 207, then 316, then 260 GFLOP/s within 40 s, and whole probes of one config 0.65 and
-    # 1.02 s/step a minute apart. One miss can be the host; two in a row are the planner.
+    # Neither measurement repeats exactly on these shared VMs. The host's own speed drifts: an
+    # idle 2-thread f32 matmul measured 207, then 316, then 260 GFLOP/s within 40 s, and whole
+    # probes of one config 0.65 and 1.02 s/step a minute apart. The heap's high-water mark
+    # depends on the order its blocks were freed in: six identical runs of the quantized config
+    # peaked between 0.627 and 0.738 GiB. One miss can be the machine; two in a row are the planner.
+    assert min(memory_misses) <= 0.15, memory_misses
     assert min(timing_misses) <= 0.30, timing_misses
 
 
