@@ -7,9 +7,10 @@ pids and CPU limits, rlimits on open files and file size (no core dumps), a size
 only), a private cgroup namespace and a fixed hostname (so that no container id
 leaks into observations). PID 1 (KEEPER) reaps orphans (it is the container's init)
 and, on SIGUSR1, SIGKILLs every other process: that is how a timeout kills a
-command's whole tree, even a fork bomb that leaves no pid for a helper process. A call that ends normally sweeps its leftover processes itself
-(RUN_THEN_SWEEP). Docker's own init (`init=True`) cannot take PID 1's place: the
-keeper would then be PID 2, and the sweep's `kill -9 -1` would stop the container.
+command's whole tree, even a fork bomb that leaves no pid for a helper process. A
+call that ends normally sweeps its leftover processes itself (RUN_THEN_SWEEP).
+Docker's own init (`init=True`) cannot take PID 1's place: the keeper would then be
+PID 2, and the sweep's `kill -9 -1` would stop the container.
 
 `verify` runs as `verify_user`, whose processes the policy's uid can neither
 signal nor edit; the keeper cannot signal them either, so a verify that times out
@@ -69,12 +70,12 @@ while True:
     if signal.sigwaitinfo(wanted).si_signo == signal.SIGUSR1:
         try:
             os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
+        except OSError:  # nothing left to kill; an init must not exit on an error
             pass
     try:
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
-    except ChildProcessError:
+    except OSError:  # no children left
         pass
 """
 KEEPER = ["sh", "-c", 'command -v python3 >/dev/null && exec python3 -I -S -c "$0"; '
