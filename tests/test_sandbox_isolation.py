@@ -81,6 +81,17 @@ def host_processes_with(marker: str) -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
 
 
+def most_children(marker: str) -> int:
+    """Children (zombies included) of the host process with `marker` that has the most."""
+    counts = [0]
+    for process in host_processes_with(marker):
+        try:
+            counts.append(len(process.children()))
+        except psutil.NoSuchProcess:
+            pass
+    return max(counts)
+
+
 def assert_still_usable(tools, sandbox):
     assert tools.call(sandbox, "bash", {"command": "echo still here"}).content == "still here\n"
 
@@ -245,7 +256,8 @@ def test_a_timeout_kill_needs_no_free_pid(docker_client, tools):
     SIGUSR1 comes: init kills and reaps without forking. A shell init forked its next `sleep`
     then, failed on EAGAIN and exited, stopping the container (a CI run lost that race to the
     dying processes of a fork bomb)."""
-    fill_and_hold = ("import os, time\n"
+    marker = f"fill{uuid.uuid4().hex[:8]}"
+    fill_and_hold = (f"import os, time  # {marker}\n"
                      "children = 0\n"
                      "while children < 1000:\n"
                      "    try:\n"
@@ -263,7 +275,13 @@ def test_a_timeout_kill_needs_no_free_pid(docker_client, tools):
         verifier = threading.Thread(target=lambda: held.append(
             sandbox.exec(("python3", "-c", fill_and_hold), timeout=10, as_verifier=True)))
         verifier.start()
-        time.sleep(1.5)
+        # Every pid is taken once the filler's zombies, its shell, the filler and PID 1 (and a shell
+        # init's `sleep`) fill the limit.
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and most_children(marker) < LIMITS.pids - 4:
+            time.sleep(0.05)
+        assert most_children(marker) >= LIMITS.pids - 4
+        time.sleep(0.2)  # the filler's last fork, which fails
         docker_client.api.kill(sandbox.id, signal="SIGUSR1")
         verifier.join()
         assert held[0].stdout.startswith(b"held ") and int(held[0].stdout.split()[1]) < LIMITS.pids
