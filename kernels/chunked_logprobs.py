@@ -144,7 +144,7 @@ def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor,
 
     blocks = _Blocks(plan, n_rows, n_vocab, hidden.device)
     for start, stop in _spans(n_vocab, plan.vocab_tile):
-        tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
+        tile = head.borrow_rows(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
         for r0, r1 in _spans(n_rows, plan.token_chunk):
             z = blocks.logits(h[r0:r1], tile)  # [c, t]
             peak = z.amax(1, keepdim=True)  # [c, 1]
@@ -186,7 +186,7 @@ def _stream_backward(
 
     blocks = _Blocks(plan, n_rows, head.shape[0], hidden.device)
     for start, stop in _spans(head.shape[0], plan.vocab_tile):
-        tile = head.row_range(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
+        tile = head.borrow_rows(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
         for r0, r1 in _spans(n_rows, plan.token_chunk):
             z = blocks.logits(h[r0:r1], tile)  # [c, t] after softcap and temperature
             dz = torch.sub(z, lse[r0:r1, None], out=blocks.scratch(z)).exp_()  # [c, t] softmax

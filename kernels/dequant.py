@@ -178,8 +178,12 @@ def _q6_k(blocks):
     return (dl * q).reshape(n, QK_K)
 
 
-def dequantize(raw: torch.Tensor, qtype: QT, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Raw GGUF bytes (uint8, any shape whose byte count is whole blocks) -> `shape` in `dtype`.
+def dequantize(
+    raw: torch.Tensor, qtype: QT, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Raw GGUF bytes (uint8, any shape whose byte count is whole blocks) -> `shape` in `dtype`,
+    written into `out` when given (a contiguous tensor of `shape` and `dtype`: on the CPU's C
+    path in float32 nothing new is allocated).
 
     `shape` is the torch (row-major) shape, i.e. the reverse of GGUF's `ne`. On the CPU the
     block types run in native_dequant's C loops when they are built (the same bits), on
@@ -189,11 +193,16 @@ def dequantize(raw: torch.Tensor, qtype: QT, shape: tuple[int, ...], dtype: torc
     if codec is None:
         raise ValueError(f"no torch dequantizer for {qtype.name}; supported: {supported_names()}")
     blocks = raw.reshape(-1, codec.type_size)
+    if out is not None:
+        assert out.shape == shape and out.dtype == dtype and out.is_contiguous(), (out.shape, out.dtype, shape, dtype)
     if raw.device.type == "cpu" and native_dequant.available(qtype):
-        out = native_dequant.dequantize_blocks(blocks, qtype)
+        direct = out if out is not None and dtype == torch.float32 else None
+        values = native_dequant.dequantize_blocks(blocks, qtype, out=direct)
     else:
-        out = codec.dequantize_blocks(blocks)
-    return out.to(dtype).reshape(shape)
+        values = codec.dequantize_blocks(blocks)
+    if out is None:
+        return values.to(dtype).reshape(shape)
+    return out if values.data_ptr() == out.data_ptr() else out.copy_(values.reshape(shape))
 
 
 def supported_names() -> str:

@@ -11,13 +11,16 @@ either way.
 
 `frozen_linear` is an autograd function that saves nothing for backward but the weight
 handle: without a kept copy the backward pass dequantizes again instead of keeping a dense
-copy alive.
+copy alive. Such per-use matrices are `borrow_rows`: dequantized on the CPU into a buffer
+the thread reuses for that shape, since a fresh matrix per use (two per weight and pass)
+fragmented the heap: a 0.5B Q4_0 SFT run peaked at 2.9-3.0 GiB instead of 2.4-2.5.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -97,6 +100,17 @@ class FrozenWeight:
             return self.data[start:stop].to(dtype)
         return dequantize(self.data[start:stop], self.qtype, (stop - start, self.shape[-1]), dtype)
 
+    def borrow_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """`row_range` for a matrix used once and dropped (one matmul): a quantized weight on
+        the CPU is dequantized into this thread's buffer for that shape and dtype, which the
+        thread's next borrow of the same shape overwrites. Other devices have a caching
+        allocator and get a fresh matrix."""
+        if self.ready(dtype) is not None or self.is_dense or self.data.device.type != "cpu":
+            return self.row_range(start, stop, dtype)
+        shape = (stop - start, self.shape[-1])
+        values = dequantize(self.data[start:stop], self.qtype, shape, out=_buffer(shape, torch.float32))
+        return values if dtype == torch.float32 else _buffer(shape, dtype).copy_(values)
+
     def dense_nbytes(self, dtype: torch.dtype) -> int:
         """What a dense copy in `dtype` costs."""
         return self.n_rows * self.shape[-1] * dtype.itemsize
@@ -114,6 +128,18 @@ class FrozenWeight:
 
     def __repr__(self) -> str:
         return f"FrozenWeight({self.name}, {self.qtype.name}, {list(self.shape)})"
+
+
+_buffers = threading.local()  # .by_shape: {(shape, dtype): tensor}, one set per thread
+
+
+def _buffer(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reusable CPU matrix of `shape` and `dtype` (contents undefined)."""
+    by_shape = _buffers.__dict__.setdefault("by_shape", {})
+    key = (shape, dtype)
+    if key not in by_shape:
+        by_shape[key] = torch.empty(shape, dtype=dtype)
+    return by_shape[key]
 
 
 def torch_dequantizable(qtype: QT) -> bool:
@@ -185,12 +211,11 @@ class _FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: FrozenWeight, start: int, stop: int) -> torch.Tensor:
         ctx.weight, ctx.rows = weight, (start, stop)
-        return F.linear(x, weight.row_range(start, stop, x.dtype))
+        return F.linear(x, weight.borrow_rows(start, stop, x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        w = ctx.weight.row_range(*ctx.rows, grad_out.dtype)
-        return grad_out @ w, None, None, None
+        return grad_out @ ctx.weight.borrow_rows(*ctx.rows, grad_out.dtype), None, None, None
 
 
 def frozen_linear(x: torch.Tensor, weight: FrozenWeight, rows: tuple[int, int] | None = None) -> torch.Tensor:

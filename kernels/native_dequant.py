@@ -225,11 +225,14 @@ def available(qtype: QT) -> bool:
     return qtype in FUNCTIONS and _library() is not None
 
 
-def dequantize_blocks(blocks: torch.Tensor, qtype: QT) -> torch.Tensor:
-    """`[n_blocks, type_size]` uint8 on the CPU -> `[n_blocks, block_size]` float32."""
+def dequantize_blocks(blocks: torch.Tensor, qtype: QT, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`[n_blocks, type_size]` uint8 on the CPU -> `[n_blocks, block_size]` float32, written
+    into `out` when given (contiguous float32 of that many values)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = blocks.contiguous()
     assert blocks.dtype == torch.uint8 and blocks.device.type == "cpu" and blocks.shape[-1] == type_size
-    out = torch.empty(blocks.shape[0], block_size, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(blocks.shape[0], block_size, dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == blocks.shape[0] * block_size
     getattr(_library(), FUNCTIONS[qtype])(blocks.data_ptr(), out.data_ptr(), blocks.shape[0], torch.get_num_threads())
     return out

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
+
 from retrograd.kernels.chunked_logprobs import (
     VOCAB_TILE,
     dense_gather_logprobs,
@@ -236,9 +237,9 @@ class CountingHead(FrozenWeight):
 
     tiles_read = 0
 
-    def row_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    def borrow_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         self.tiles_read += 1
-        return super().row_range(start, stop, dtype)
+        return super().borrow_rows(start, stop, dtype)
 
 
 def test_each_head_tile_is_dequantized_once_per_pass():

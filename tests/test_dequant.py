@@ -1,5 +1,7 @@
 """Every block dequantizer, the torch codecs and the C loops, equals gguf.quants.dequantize bit for bit."""
 
+import threading
+
 import gguf
 import numpy as np
 import pytest
@@ -76,19 +78,41 @@ def test_bf16_output_is_the_rounded_f32_output():
     assert torch.equal(dequantize(raw, QT.Q4_K, (64 * 256,), torch.bfloat16), f32.to(torch.bfloat16))
 
 
-def test_frozen_linear_gradient_matches_dense_weight():
-    rng = np.random.default_rng(1)
+def q5_1_weight(rows: int, cols: int, seed: int) -> FrozenWeight:
+    raw = random_blocks(QT.Q5_1, rows * cols // 32, np.random.default_rng(seed)).reshape(rows, -1)
+    return FrozenWeight("blk.0.attn_q.weight", torch.from_numpy(raw), QT.Q5_1, (rows, cols))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_linear_gradient_matches_dense_weight(dtype):
     rows, cols = 48, 64
-    raw = random_blocks(QT.Q5_1, rows * cols // 32, rng).reshape(rows, -1)
-    w = FrozenWeight("blk.0.attn_q.weight", torch.from_numpy(raw), QT.Q5_1, (rows, cols))
-    dense = w.dense(torch.float32)
-    x = torch.randn(5, cols, requires_grad=True)
+    w = q5_1_weight(rows, cols, 1)
+    dense = w.dense(dtype)
+    x = torch.randn(5, cols, dtype=dtype, requires_grad=True)
     frozen_linear(x, w).square().sum().backward()
     x2 = x.detach().clone().requires_grad_()
     (x2 @ dense.T).square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
     ids = torch.tensor([[3, 0], [47, 3]])
-    torch.testing.assert_close(w.rows(ids, torch.float32), dense[ids], rtol=0, atol=0)
+    torch.testing.assert_close(w.rows(ids, dtype), dense[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_borrowed_rows_reuse_one_buffer_per_shape_and_thread(dtype):
+    """borrow_rows gives row_range's values in a buffer the thread's next borrow of that
+    shape overwrites (per-use matrices fragmented the heap); other threads have their own."""
+    a, b = q5_1_weight(48, 64, 2), q5_1_weight(48, 64, 3)
+    first = a.borrow_rows(8, 40, dtype)
+    assert torch.equal(first, a.row_range(8, 40, dtype))
+    second = b.borrow_rows(0, 32, dtype)
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, b.row_range(0, 32, dtype))
+    assert a.borrow_rows(0, 48, dtype).data_ptr() != first.data_ptr()  # another shape
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(a.borrow_rows(8, 40, dtype)))
+    thread.start()
+    thread.join()
+    assert elsewhere[0].data_ptr() != first.data_ptr() and torch.equal(elsewhere[0], a.row_range(8, 40, dtype))
+    assert torch.equal(second, b.row_range(0, 32, dtype))  # the thread wrote elsewhere
 
 
 def test_loading_and_dequantizing_compile_nothing(smollm2, monkeypatch):
