@@ -1,4 +1,5 @@
-"""The Typer app every command module registers itself on, and `main`, which turns a
+"""The Typer app every command module registers itself on, and `main`, which first restarts
+the command on jemalloc where the system has it (runtime/allocator.py), then turns a
 RetrogradError or a usage error into one `error: ...` line on stderr and exit code 2
 (RETROGRAD_DEBUG=1 shows the traceback)."""
 
@@ -10,6 +11,7 @@ import sys
 import typer
 
 from retrograd.errors import RetrogradError
+from retrograd.runtime.allocator import restart_on_jemalloc
 
 app = typer.Typer(
     name="retrograd",
@@ -22,6 +24,7 @@ app = typer.Typer(
 
 
 def main() -> None:
+    restart_on_jemalloc()
     try:
         code = app(args=sys.argv[1:], standalone_mode=False)
     except RetrogradError as e:

@@ -9,6 +9,7 @@ import typer
 
 from retrograd.cli.app import app
 from retrograd.cli.options import DeviceOpt, ModelOpt
+from retrograd.runtime import allocator
 from retrograd.runtime.bundled import default_model_path
 
 
@@ -89,6 +90,7 @@ def _plan(config: Path, model: Optional[Path], device: Optional[str], memory: Op
     console.print(f"run            {config} ({cfg.run.algorithm}): ctx {t.ctx}, micro_batch {t.micro_batch}, "
                f"LoRA rank {cfg.lora.rank}, compute {t.compute_dtype}, checkpointing {'on' if t.gradient_checkpointing else 'off'}", markup=False)
     console.print(f"budget         {budget / 2**30:.2f} GiB of host memory", markup=False)
+    console.print(f"allocator      {allocator.current()}", markup=False)
     with console.status("probing: loading") as status:
         unit = ["step"]
 

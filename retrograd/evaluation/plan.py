@@ -37,6 +37,7 @@ import psutil
 
 from retrograd.config import Config
 from retrograd.kernels.frozen import HOST_MEMORY_ENV
+from retrograd.runtime import allocator
 from retrograd.runtime.memory import tree_rss_bytes
 
 PROBE_UNITS = {"steps": 4, "updates": 2}  # the first of each is warm-up and not timed
@@ -170,7 +171,7 @@ def run_probe(cfg: Config, budget: int, *, units: int | None = None, label: str 
             child = subprocess.Popen(
                 [sys.executable, "-c", f"from retrograd.evaluation.plan import _child; _child({str(scratch / 'config.pickle')!r}, {units}, {write_fd})"],
                 pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                env=os.environ | {"PYTHONWARNINGS": "ignore", HOST_MEMORY_ENV: str(budget)},
+                env=os.environ | allocator.preload_env() | {"PYTHONWARNINGS": "ignore", HOST_MEMORY_ENV: str(budget)},
             )
         os.close(write_fd)
         watcher = _Watcher(child, budget)

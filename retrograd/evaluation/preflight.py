@@ -15,6 +15,7 @@ from retrograd.kernels.chunked_logprobs import token_logprobs
 from retrograd.model.activation_memory import activation_bytes
 from retrograd.model.base import load_model
 from retrograd.model.lora import attach_lora
+from retrograd.runtime import allocator
 from retrograd.runtime.device import describe, off_device
 from retrograd.runtime.memory import PeakMemory
 from retrograd.sampler import Placement
@@ -27,6 +28,7 @@ PROBE_TOKENS = 32
 class PreflightReport:
     path: Path
     device: str
+    allocator: str
     weights_mode: str
     compute_dtype: str
     lora_summary: str
@@ -51,6 +53,7 @@ class PreflightReport:
             "training preflight",
             f"model          {self.path}",
             f"device         {self.device}",
+            f"allocator      {self.allocator}",
             f"weights        {self.weights_mode}, compute {self.compute_dtype}",
             f"probe          {self.probe_tokens} tokens, {self.lora_summary}: forward+backward "
             f"{self.probe_seconds:.2f} s, loss {self.probe_loss:.3f}",
@@ -114,6 +117,7 @@ def run_preflight(
     return PreflightReport(
         path=model.path,
         device=describe(device),
+        allocator=allocator.current(),
         weights_mode=model.weights_choice,
         compute_dtype=compute_dtype,
         lora_summary=f"LoRA rank {rank} on {len(adapter.layers)} weights ({', '.join(families)})",
