@@ -518,7 +518,10 @@ def main() -> None:
         print(f"grpo_vs_trl: missing {', '.join(missing)} (benchmark-only): pip install {' '.join(missing)}", file=sys.stderr)
         sys.exit(2)
 
-    print(f"workload: {asdict(WORK)}; load average at start {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    from retrograd.runtime.allocator import preload_env
+
+    print(f"workload: {asdict(WORK)}; load average at start {os.getloadavg()[0]:.2f}; "
+          f"ours on {preload_env().get('LD_PRELOAD', 'system malloc')}, TRL on system malloc", file=sys.stderr)
     raw = {}
     for side in sides:
         raw[side] = spawn(side, args.duty_cycle)

@@ -489,9 +489,11 @@ def main() -> None:
 
     import torch
 
+    from retrograd.runtime.allocator import preload_env
     from retrograd.runtime.device import cpu_name, describe, resolve_device
 
-    print(f"workload: {asdict(WORK)}; model {bench_model().name}; load average at start {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    print(f"workload: {asdict(WORK)}; model {bench_model().name}; load average at start {os.getloadavg()[0]:.2f}; "
+          f"ours on {preload_env().get('LD_PRELOAD', 'system malloc')}, TRL on system malloc", file=sys.stderr)
     on_gpu = torch.cuda.is_available()  # then our runs train there (device auto) and a CPU probe says nothing
     probe = None if on_gpu else matmul_probe()
     raw = {}
