@@ -13,7 +13,7 @@ either way.
 handle: without a kept copy the backward pass dequantizes again instead of keeping a dense
 copy alive. Such per-use matrices are `borrow_rows`: dequantized on the CPU into a buffer
 the thread reuses for that shape, since a fresh matrix per use (two per weight and pass)
-fragmented the heap: a 0.5B Q4_0 SFT run peaked at 2.9-3.0 GiB instead of 2.4-2.5.
+fragmented the heap: a 0.5B Q4_0 SFT run peaked at 3.0-3.1 GiB instead of 2.5-2.6 (f32).
 """
 
 from __future__ import annotations
