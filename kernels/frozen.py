@@ -130,16 +130,20 @@ class FrozenWeight:
         return f"FrozenWeight({self.name}, {self.qtype.name}, {list(self.shape)})"
 
 
-_buffers = threading.local()  # .by_shape: {(shape, dtype): tensor}, one set per thread
+class _Buffers(threading.local):
+    def __init__(self):
+        self.by_shape: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> this thread's matrix
+
+
+_buffers = _Buffers()
 
 
 def _buffer(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """This thread's reusable CPU matrix of `shape` and `dtype` (contents undefined)."""
-    by_shape = _buffers.__dict__.setdefault("by_shape", {})
     key = (shape, dtype)
-    if key not in by_shape:
-        by_shape[key] = torch.empty(shape, dtype=dtype)
-    return by_shape[key]
+    if key not in _buffers.by_shape:
+        _buffers.by_shape[key] = torch.empty(shape, dtype=dtype)
+    return _buffers.by_shape[key]
 
 
 def torch_dequantizable(qtype: QT) -> bool:

@@ -76,3 +76,10 @@ def test_preflight_names_the_allocator(jemalloc, smollm2):
                          env={k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.CHOICE_ENV)})
     assert run.returncode == 0, run.stderr
     assert f"allocator      jemalloc ({jemalloc})" in run.stdout.splitlines()
+
+
+def test_an_unknown_choice_is_one_line_and_exit_2():
+    run = subprocess.run([sys.executable, "-m", "retrograd", "--help"], capture_output=True, text=True, timeout=60,
+                         env=os.environ | {allocator.CHOICE_ENV: "tcmalloc"})
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == f"error: {allocator.CHOICE_ENV}=tcmalloc: expected jemalloc or system\n"

@@ -24,8 +24,8 @@ app = typer.Typer(
 
 
 def main() -> None:
-    restart_on_jemalloc()
     try:
+        restart_on_jemalloc()
         code = app(args=sys.argv[1:], standalone_mode=False)
     except RetrogradError as e:
         if os.environ.get("RETROGRAD_DEBUG"):

@@ -20,15 +20,25 @@ import sys
 from functools import cache
 from pathlib import Path
 
-CHOICE_ENV = "RETROGRAD_ALLOCATOR"  # "system": never preload jemalloc
+from retrograd.errors import ConfigError
+
+CHOICE_ENV = "RETROGRAD_ALLOCATOR"  # "jemalloc" (the default: where found) or "system"
 RESTARTED_ENV = "RETROGRAD_PRELOADED"  # set for the restarted process: the LD_PRELOAD it added
+
+
+def chose_system() -> bool:
+    """Whether RETROGRAD_ALLOCATOR says `system`; a value other than system or jemalloc is an error."""
+    choice = os.environ.get(CHOICE_ENV, "jemalloc").strip().lower()
+    if choice not in ("jemalloc", "system"):
+        raise ConfigError(f"{CHOICE_ENV}={os.environ[CHOICE_ENV]}: expected jemalloc or system")
+    return choice == "system"
 
 
 @cache
 def jemalloc_library() -> str | None:
     """The jemalloc this machine would preload (e.g. `libjemalloc.so.2`, Debian's libjemalloc2),
     or None: not installed, or RETROGRAD_ALLOCATOR=system."""
-    if sys.platform != "linux" or os.environ.get(CHOICE_ENV, "").strip().lower() == "system":
+    if sys.platform != "linux" or chose_system():
         return None  # LD_PRELOAD is the Linux loader's
     return ctypes.util.find_library("jemalloc")
 
@@ -71,7 +81,7 @@ def current() -> str:
     preloaded = sorted(name for name in libraries if "jemalloc" in name)
     if preloaded:
         return f"jemalloc ({preloaded[0]})"
-    if os.environ.get(CHOICE_ENV, "").strip().lower() == "system":
+    if chose_system():
         return f"system malloc ({CHOICE_ENV}=system)"
     if jemalloc_library() is None:
         return "system malloc (no jemalloc found: installing libjemalloc2 lowers a run's peak memory)"
