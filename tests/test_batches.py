@@ -5,8 +5,9 @@ import torch
 
 import retrograd
 from retrograd.data import TokenSequence
+from retrograd.model.activation_memory import Merging
 from retrograd.model.lora import attach_lora
-from retrograd.training.batches import Group, batch_logprobs, pack, plan_micro_batches
+from retrograd.training.batches import Group, batch_logprobs, merge_micro_batches, pack, plan_micro_batches
 from retrograd.training.optim import learning_rate
 
 
@@ -16,6 +17,17 @@ def seq(ids, first_trained=1):
 
 def test_plan_keeps_order_and_budget():
     assert plan_micro_batches([5, 5, 5, 20, 3, 3], 10) == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_a_steps_small_micro_batches_merge_in_order_within_the_largest_ones_memory():
+    lengths = [30, 20, 25, 40, 10, 5, 33]
+    step = [[0, 1], [2], [3], [4, 5], [6]]  # the largest keeps 50 tokens
+    assert merge_micro_batches(step, lengths, None) == (step, False)
+    assert merge_micro_batches(step, lengths, Merging(train=2.0, score=4.0, cap=512)) == ([[0, 1, 2], [3, 4, 5, 6]], True)  # <= 100 tokens
+    assert merge_micro_batches(step, lengths, Merging(train=4.0, score=8.0, cap=512)) == ([[0, 1, 2, 3, 4, 5, 6]], True)
+    assert merge_micro_batches(step, lengths, Merging(train=4.0, score=8.0, cap=60)) == ([[0, 1], [2], [3, 4, 5], [6]], True)  # <= 60
+    assert merge_micro_batches([[0], [3]], lengths, Merging(train=4.0, score=8.0, cap=60)) == ([[0], [3]], False)  # no fewer passes
+    assert merge_micro_batches([[3, 0]], lengths, Merging(train=9.0, score=31.0, cap=512)) == ([[3, 0]], False)  # one stays one
 
 
 def test_packed_rows_equal_separate_rows(tiny_model):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from chats import write_chat
+from gguf_factory import TINY_ARCHS, write_tiny_model
 from llama_ref import agreement, llama_logits
 
 import retrograd
@@ -20,6 +21,7 @@ from retrograd.gguf.adapter import read_adapter
 from retrograd.model.lora import attach_lora
 from retrograd.recipes import sft
 from retrograd.recipes.common import load_adapter_weights
+from retrograd.runtime import allocator
 from retrograd.training.report import SilentReporter
 
 RETROGRAD = [sys.executable, "-m", "retrograd"]
@@ -252,3 +254,52 @@ def test_a_run_starts_from_lora_init_adapter_and_a_missing_one_stops_it_first(tm
     assert r.returncode == 2 and "loading model" not in r.stdout, (r.stdout, r.stderr)
     assert r.stderr.strip() == f"error: {cfg}: lora.init_adapter = '{tmp_path / 'second' / 'missing.gguf'}': no such file " \
         "(a LoRA GGUF to start from)", r.stderr
+
+
+@pytest.mark.parametrize("jemalloc", [True, False])
+def test_small_micro_batches_run_merged_where_the_heap_hands_memory_back(tmp_path, monkeypatch, jemalloc):
+    """Micro-batches of 16 tokens (one example each, 4 per step) on a 12-layer model: on
+    jemalloc they run as fewer passes checkpointed at every layer and train what the
+    configured passes train; on glibc's malloc, whose heap keeps what larger passes free, they
+    run as configured."""
+    monkeypatch.setitem(TINY_ARCHS, "llama-deep", TINY_ARCHS["llama"] | {"n_layer": 12})
+    base = write_tiny_model(tmp_path / "deep.gguf", "llama-deep")
+    packed = []
+    real_pack = sft.pack
+    monkeypatch.setattr(sft, "pack", lambda items, device: packed.append(len(items)) or real_pack(items, device))
+    checkpointed = []
+    real_merged_passes = sft.merged_passes
+    monkeypatch.setattr(sft, "merged_passes", lambda model, merged: checkpointed.append(merged) or real_merged_passes(model, merged))
+
+    class Lines(SilentReporter):
+        def __init__(self):
+            self.lines = []
+
+        def message(self, text):
+            self.lines.append(text)
+
+    runs = {}
+    for merge in (True, False):
+        d = tmp_path / str(merge)
+        d.mkdir()
+        cfg = write_config(d, base)
+        cfg.write_text(cfg.read_text().replace("micro_batch = 96\ngradient_accumulation = 2", "micro_batch = 16\ngradient_accumulation = 4"))
+        monkeypatch.setattr(allocator, "hands_back_freed_memory", lambda merge=merge: merge and jemalloc)
+        packed.clear()
+        checkpointed.clear()
+        reporter = Lines()
+        result = sft.run(load_config(cfg), reporter)
+        said = [line for line in reporter.lines if line.startswith("passes: ")]
+        runs[merge] = result.losses, len(packed), said, set(checkpointed)
+    losses, passes, said, checkpointed_passes = runs[True]
+    unmerged_losses, unmerged_passes, unmerged_said, unmerged_checkpointed = runs[False]
+    assert not unmerged_said and unmerged_checkpointed == {False}
+    if not jemalloc:
+        assert (passes, said, checkpointed_passes) == (unmerged_passes, [], {False})
+        assert losses == unmerged_losses
+        return
+    assert said == ["passes: micro-batches of 16 tokens run merged, up to 512 tokens per pass "
+                    "(checkpointed at every layer when training) in the same activation memory"]
+    assert checkpointed_passes == {True} and passes < unmerged_passes, (passes, unmerged_passes)
+    # the same examples per step; packed differently, float32 rounding apart
+    assert losses == pytest.approx(unmerged_losses, rel=1e-5)

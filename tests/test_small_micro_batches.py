@@ -16,7 +16,7 @@ import retrograd
 from retrograd.config import load_config
 from retrograd.kernels import frozen
 from retrograd.kernels.frozen import HOST_MEMORY_ENV, hold_copies
-from retrograd.model.activation_memory import merging
+from retrograd.model.activation_memory import PASS_TOKENS_GLIBC, PASS_TOKENS_JEMALLOC, merging
 from retrograd.model.lora import attach_lora
 from retrograd.recipes import common, grpo
 from retrograd.recipes.common import load_base, open_chat
@@ -243,9 +243,13 @@ def test_merged_passes_keep_no_more_than_the_micro_batches_they_replace(smollm2)
     samples = [Rollout(group, tuple(range(100 + 45 * group, 145 + 45 * group)), tuple(torch.randint(5, 9000, (4,), generator=g).tolist()))
                for group in (0, 1) for _ in range(8)]
     micro_batch = 8
-    passes = plan_passes(samples, micro_batch, merging(model.spec, micro_batch, 4, 4, checkpoint_every=0, checkpoint_bytes=4), 0)
-    assert merging(model.spec, 256, 4, 4, checkpoint_every=0, checkpoint_bytes=4) is None  # large enough as they are
-    assert merging(model.spec, 8, 4, 4, checkpoint_every=4, checkpoint_bytes=4) is None  # checkpointed already: little to gain
+    small = merging(model.spec, micro_batch, 4, 4, checkpoint_every=0, checkpoint_bytes=4, cap=PASS_TOKENS_GLIBC)
+    passes = plan_passes(samples, micro_batch, small, 0)
+    alone = plan_passes(samples[:1], micro_batch, small, 0)  # one micro-batch either way: not checkpointed
+    assert (alone.train, alone.checkpoint_every) == (micro_batch, 0) and alone.score == passes.score, alone
+    assert merging(model.spec, 256, 4, 4, checkpoint_every=0, checkpoint_bytes=4, cap=PASS_TOKENS_JEMALLOC) is None  # large enough as they are
+    assert merging(model.spec, 128, 4, 4, checkpoint_every=0, checkpoint_bytes=4, cap=PASS_TOKENS_JEMALLOC).budgets(128) == (512, 512)
+    assert merging(model.spec, 8, 4, 4, checkpoint_every=4, checkpoint_bytes=4, cap=PASS_TOKENS_GLIBC) is None  # checkpointed already: little to gain
     plain, merged = plan_shared(samples, micro_batch), plan_shared(samples, passes.train)
     assert passes.checkpoint_every == 1 and (len(plain), len(merged)) == (8, 1), (passes, plain, merged)
 

@@ -44,12 +44,23 @@ def activation_bytes(spec: ModelSpec, tokens: int, compute_bytes: int, lora_rank
 
 # Merged passes hold at most this many tokens. Below it a pass costs mostly what every pass
 # costs (reading every base weight, a few thousand small ops), whatever it holds. Above it the
-# process's memory grows with the pass: glibc's allocator keeps about a pass's worth of freed
-# blocks (SmolLM2, 2 threads: a 512-token pass checkpointed at every layer peaks at 1.52 GiB RSS
-# and 0.60 GiB live, measured with MALLOC_MMAP_THRESHOLD_=65536; a 128-token pass without
-# checkpoints peaks at 0.96 and 0.68 GiB), so larger merged passes would undo what a smaller
-# micro_batch is for.
-MERGED_PASS_TOKENS = 256
+# process's memory grows with the pass where the allocator keeps what passes free: glibc's heap
+# keeps about a pass's worth of freed blocks (SmolLM2, 2 threads: a 512-token pass checkpointed
+# at every layer peaks at 1.52 GiB RSS and 0.60 GiB live, measured with
+# MALLOC_MMAP_THRESHOLD_=65536; a 128-token pass without checkpoints peaks at 0.96 and 0.68 GiB),
+# so on glibc larger merged passes would undo what a smaller micro_batch is for. jemalloc hands
+# them back (runtime/allocator.py): there an SFT step of eight 47-token micro-batches merged into
+# one 376-token pass reads the RSS of the unmerged run (995 against 1005 MiB; 1482 on glibc).
+PASS_TOKENS_GLIBC = 256
+PASS_TOKENS_JEMALLOC = 512
+
+# Micro-batches of at most this many tokens merge. A pass of T tokens costs about c0 + c1 T, and
+# checkpointed at every layer c0 + 1.5 c1 T (it computes its forward twice, and with a frozen
+# base the backward costs about one forward), so merging k passes into one pays while
+# (k - 1) c0 > c1 k T / 2: up to T = 2 c0 / c1 for many passes, c0 / c1 for two. SmolLM2 on
+# 2 threads of a Xeon (AMX): c0 = 164 ms, c1 = 1.46 ms per token in bf16; 198 ms and
+# 2.9 ms in f32.
+SMALL_MICRO_BATCH = 128
 
 
 @dataclass(frozen=True)
@@ -57,31 +68,32 @@ class Merging:
     """How small micro-batches run as fewer, larger passes: per token that a pass as
     configured computes with gradients, a pass checkpointed at every layer may hold `train`
     tokens in the same activation memory, and a pass without gradients `score` tokens; neither
-    more than MERGED_PASS_TOKENS."""
+    more than `cap`."""
 
     train: float
     score: float
+    cap: int
 
     def budgets(self, kept_tokens: int) -> tuple[int, int]:
         """Tokens per merged pass (with, without gradients) where passes as configured would
         compute at most `kept_tokens` with gradients."""
-        return tuple(max(kept_tokens, min(int(kept_tokens * factor), MERGED_PASS_TOKENS)) for factor in (self.train, self.score))
+        return tuple(max(kept_tokens, min(int(kept_tokens * factor), self.cap)) for factor in (self.train, self.score))
 
     def describe(self, micro_batch: int) -> str:
-        return (f"passes: micro-batches of {micro_batch} tokens run merged, up to {MERGED_PASS_TOKENS} tokens per pass "
+        return (f"passes: micro-batches of {micro_batch} tokens run merged, up to {self.cap} tokens per pass "
                 f"(checkpointed at every layer when training) in the same activation memory")
 
 
 def merging(spec: ModelSpec, micro_batch: int, compute_bytes: int, lora_rank: int, *, checkpoint_every: int,
-            checkpoint_bytes: int) -> Merging | None:
-    """Merging for micro-batches of at most half MERGED_PASS_TOKENS, or None. The memory a
-    pass with gradients takes at its peak, per token: as configured without checkpointing, every
-    layer's activations and one layer's gradients in backward; checkpointed every k layers, one
-    float per width per k layers and, in backward, k recomputed layers and one layer's gradients
-    (at every layer: 9 times fewer bytes per token than none, for SmolLM2-135M); without
-    gradients, about one layer's activations. A GRPO update at micro_batch 8 made ten passes
+            checkpoint_bytes: int, cap: int) -> Merging | None:
+    """Merging into passes of at most `cap` tokens (PASS_TOKENS_*) for micro-batches of at most
+    SMALL_MICRO_BATCH tokens, or None. The memory a pass with gradients takes at its peak, per
+    token: as configured without checkpointing, every layer's activations and one layer's
+    gradients in backward; checkpointed every k layers, one float per width per k layers and, in
+    backward, k recomputed layers and one layer's gradients (at every layer: 9 times fewer bytes
+    per token than none, for SmolLM2-135M); without gradients, about one layer's activations. A GRPO update at micro_batch 8 made ten passes
     per step, each paying for reading every weight."""
-    if 2 * micro_batch > MERGED_PASS_TOKENS:
+    if micro_batch > SMALL_MICRO_BATCH:
         return None
     per_layer = activation_bytes(spec, 1, compute_bytes, lora_rank) / spec.n_layer  # one token, one layer
 
@@ -91,4 +103,4 @@ def merging(spec: ModelSpec, micro_batch: int, compute_bytes: int, lora_rank: in
         return math.ceil(spec.n_layer / every) * spec.n_embd * checkpoint_bytes + (every + 1) * per_layer
 
     train = peak(checkpoint_every) / peak(1)
-    return Merging(train, peak(checkpoint_every) / per_layer) if train >= 2 else None
+    return Merging(train, peak(checkpoint_every) / per_layer, cap) if train >= 2 else None

@@ -22,10 +22,11 @@ from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.merge import check_out, merge
 from retrograd.gguf.spec import read_spec
 from retrograd.kernels.frozen import Kept, dense_budget, hold_copies
-from retrograd.model.activation_memory import Merging, merging
+from retrograd.model.activation_memory import PASS_TOKENS_GLIBC, PASS_TOKENS_JEMALLOC, Merging, merging
 from retrograd.model.base import BaseModel, load_model
 from retrograd.model.lora import Adapter, attach_lora
 from retrograd.model.tokenizer import Tokenizer
+from retrograd.runtime import allocator
 from retrograd.runtime.bundled import default_model_path
 from retrograd.runtime.cpu_share import CpuShare
 from retrograd.runtime.device import off_device, resolve_device
@@ -87,15 +88,21 @@ class Setup:
                 self.detail(self.dense_copies.describe())
         return self.dense_copies
 
-    def merging(self, spread: bool = False) -> Merging | None:
-        """How an update's small micro-batches (the rollout algorithms') merge into fewer passes
-        in the same memory (activation_memory.merging); None under torchrun (`spread`), whose
-        ranks deal out the micro-batches."""
+    def merging(self, spread: bool = False, *, rollouts: bool = False) -> Merging | None:
+        """How small micro-batches merge into fewer passes in the same activation memory
+        (activation_memory.merging): an update's (`rollouts`) or an optimizer step's. None under
+        torchrun (`spread`), whose ranks deal out the micro-batches. On jemalloc passes hold up to
+        PASS_TOKENS_JEMALLOC tokens. On glibc's malloc, whose heap keeps what larger passes
+        free, up to PASS_TOKENS_GLIBC, and only rollout updates merge: merged, the smoke GRPO
+        shape read 5% more RSS, an SFT step of 47-token micro-batches 36% more (1482 against
+        1093 MiB, SmolLM2)."""
         t, transformer = self.cfg.training, self.model.transformer
-        if spread:
+        jemalloc = allocator.hands_back_freed_memory()
+        if spread or not (jemalloc or rollouts):
             return None
         return merging(self.model.spec, t.micro_batch, transformer.compute_dtype.itemsize, self.cfg.lora.rank,
-                       checkpoint_every=transformer.checkpoint_every, checkpoint_bytes=transformer.checkpoint_dtype.itemsize)
+                       checkpoint_every=transformer.checkpoint_every, checkpoint_bytes=transformer.checkpoint_dtype.itemsize,
+                       cap=PASS_TOKENS_JEMALLOC if jemalloc else PASS_TOKENS_GLIBC)
 
     @property
     def base_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -35,7 +35,16 @@ from retrograd.recipes.common import open_chat, prepare, signature
 from retrograd.runtime.bundled import default_model_path
 from retrograd.runtime.memory import rss_bytes
 from retrograd.teacher import check_same_tokenizer
-from retrograd.training.batches import Group, LogprobOptions, batch_logprobs, epoch_plan, pack, plan_micro_batches
+from retrograd.training.batches import (
+    Group,
+    LogprobOptions,
+    batch_logprobs,
+    epoch_plan,
+    merge_micro_batches,
+    merged_passes,
+    pack,
+    plan_micro_batches,
+)
 from retrograd.training.checkpoint import check_signature, file_fingerprint, resume_point, step_name
 from retrograd.training.distributed import Ranks, init_ranks
 from retrograd.training.duty_cycle import for_device
@@ -122,6 +131,8 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     metrics = (MetricsSink(run_record(cfg, "metrics.jsonl"), cfg.metrics.tensorboard_dir, append=checkpoint is not None)
                if ranks.is_main else NullMetrics())
     objective = Objective(cfg, scorer, reference, ranks)
+    if objective.merging is not None:
+        reporter.message(objective.merging.describe(cfg.training.micro_batch))
     duty = for_device(t.max_gpu_duty_cycle, setup.device, reporter.message)  # gaps for a shared GPU
 
     def save(name: str) -> Path | None:
@@ -288,13 +299,16 @@ class Objective:
     def __init__(self, cfg: Config, scorer: Scorer, reference: Reference, ranks: Ranks):
         self.pc, self.scorer, self.reference, self.ranks = cfg.preference, scorer, reference, ranks
         self.width = 1 if self.pc.loss == "kto" else 2  # reference values per record
+        self.merging = scorer.setup.merging(ranks.spread)
 
     def step(self, items, micro_batches: list[list[int]], ref: list[float] | None, n_items: int) -> dict:
         z0 = self._reference_point([items[i] for mb in micro_batches for i in mb]) if self.pc.loss == "kto" else None
         sums = dict.fromkeys(SUMMED, 0.0)
+        micro_batches, merged = merge_micro_batches(micro_batches, [item.n_tokens for item in items], self.merging)
         for j in self.ranks.share(micro_batches):  # every micro-batch on one rank; dealt out under torchrun
             mb = micro_batches[j]
-            loss, parts = self._losses([items[i] for i in mb], self._ref(ref, mb), z0)
+            with merged_passes(self.scorer.setup.model.transformer, merged):
+                loss, parts = self._losses([items[i] for i in mb], self._ref(ref, mb), z0)
             (loss.sum() / n_items).backward()
             for key, value in parts.items():
                 sums[key] += value

@@ -3,10 +3,11 @@ written out in full.
 
 Order of work per epoch: a permutation that is a pure function of (lora.seed, epoch), greedy
 packing of examples into micro-batches of `training.micro_batch` tokens, and
-`gradient_accumulation` micro-batches per optimizer step. The loss of a step is the mean
-negative log-likelihood over all of its supervised tokens. Everything the next step depends
-on (LoRA weights, optimizer moments, RNG, data position) is in each checkpoint, so a resumed
-run repeats the remaining steps bit for bit. Under torchrun a step's micro-batches are dealt
+`gradient_accumulation` micro-batches per optimizer step (small ones run merged into fewer
+checkpointed passes in the same activation memory: batches.merge_micro_batches). The loss of
+a step is the mean negative log-likelihood over all of its supervised tokens. Everything the
+next step depends on (LoRA weights, optimizer moments, RNG, data position) is in each
+checkpoint, so a resumed run repeats the remaining steps bit for bit. Under torchrun a step's micro-batches are dealt
 out to the ranks and their gradients summed (training/distributed.py).
 """
 
@@ -21,7 +22,15 @@ from retrograd.config import Config
 from retrograd.data import evenly_spaced, load_sft
 from retrograd.recipes.common import open_chat, prepare, signature
 from retrograd.runtime.memory import rss_bytes
-from retrograd.training.batches import LogprobOptions, batch_logprobs, epoch_plan, mean_loss, pack
+from retrograd.training.batches import (
+    LogprobOptions,
+    batch_logprobs,
+    epoch_plan,
+    mean_loss,
+    merge_micro_batches,
+    merged_passes,
+    pack,
+)
 from retrograd.training.checkpoint import check_signature, resume_point, step_name
 from retrograd.training.distributed import init_ranks
 from retrograd.training.metrics import MetricsSink, NullMetrics, run_record
@@ -68,6 +77,9 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     optimizer = build_optimizer(params, t.optimizer, t.lr, t.weight_decay)
 
     lengths = [len(x.ids) for x in examples]
+    merging = setup.merging(ranks.spread)
+    if merging is not None:
+        reporter.message(merging.describe(t.micro_batch))
     plans = [epoch_plan(lengths, e, seed=cfg.lora.seed, shuffle=cfg.sft.shuffle, micro_batch=t.micro_batch, accumulation=t.gradient_accumulation) for e in range(t.epochs)]
     total_steps = sum(len(p) for p in plans)
     schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, total_steps, t.max_grad_norm)
@@ -109,14 +121,16 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 lr = schedule.apply(optimizer, step)
                 threads = setup.cpu.adjust()
                 t0 = time.perf_counter()
-                micro_batches = [[examples[i] for i in mb] for mb in steps[k]]
+                passes, merged = merge_micro_batches(steps[k], lengths, merging)
+                micro_batches = [[examples[i] for i in mb] for mb in passes]
                 n_trained = sum(e.n_trained for mb in micro_batches for e in mb)
                 step_loss, step_tokens = 0.0, 0
                 for j in ranks.share(micro_batches):  # every micro-batch on one rank; dealt out under torchrun
                     mb = micro_batches[j]
                     t1 = time.perf_counter()
                     batch = pack(mb, setup.device)
-                    loss = -batch_logprobs(transformer, batch, options).sum() / n_trained
+                    with merged_passes(transformer, merged):
+                        loss = -batch_logprobs(transformer, batch, options).sum() / n_trained
                     loss.backward()
                     step_loss += float(loss.detach())
                     step_tokens += batch.n_tokens

@@ -72,15 +72,28 @@ def restart_on_jemalloc() -> None:
         return
 
 
-def current() -> str:
-    """The allocator this process runs on, for the start-up lines."""
+def loaded_jemalloc() -> str | None:
+    """The jemalloc library this process runs on (`libjemalloc.so.2`), or None."""
     try:
         libraries = {line.rsplit("/", 1)[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/" in line}
     except OSError:
-        return "unknown"
-    preloaded = sorted(name for name in libraries if "jemalloc" in name)
+        return None
+    return min((name for name in libraries if "jemalloc" in name), default=None)
+
+
+def hands_back_freed_memory() -> bool:
+    """Whether what a pass frees leaves the process rather than staying in its heap: on
+    jemalloc, not on glibc's malloc (the module docstring). Merging small micro-batches into
+    larger passes (model/activation_memory.py) lowers live memory, but glibc's heap keeps the
+    larger passes' freed blocks, so there it can raise what the process takes."""
+    return loaded_jemalloc() is not None
+
+
+def current() -> str:
+    """The allocator this process runs on, for the start-up lines."""
+    preloaded = loaded_jemalloc()
     if preloaded:
-        return f"jemalloc ({preloaded[0]})"
+        return f"jemalloc ({preloaded})"
     if chose_system():
         return f"system malloc ({CHOICE_ENV}=system)"
     if jemalloc_library() is None:

@@ -14,7 +14,8 @@ packed into micro-batches and optimizer steps) and the held-out mean loss.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from retrograd.data import TokenSequence
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, TOKEN_CHUNK, VOCAB_TILE
+from retrograd.model.activation_memory import Merging
 from retrograd.model.transformer import Layout, Past, Transformer
 
 
@@ -175,6 +177,25 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
+
+
+def merge_micro_batches(micro_batches: list[list[int]], lengths: Sequence[int] | Mapping[int, int],
+                        merging: Merging | None) -> tuple[list[list[int]], bool]:
+    """A step's micro-batches (item indices; `lengths[i]` tokens each) as the passes that run
+    them, and whether those are merged (to run inside merged_passes): with `merging`, repacked
+    in order into fewer passes that keep no more than the largest micro-batch would; as they are
+    where that makes no fewer passes, since a merged pass pays for recomputing its layers."""
+    if merging is None or len(micro_batches) < 2:
+        return micro_batches, False
+    items = [i for mb in micro_batches for i in mb]
+    budget, _ = merging.budgets(max(sum(lengths[i] for i in mb) for mb in micro_batches))
+    passes = [[items[j] for j in mb] for mb in plan_micro_batches([lengths[i] for i in items], budget)]
+    return (passes, True) if len(passes) < len(micro_batches) else (micro_batches, False)
+
+
+def merged_passes(model: Transformer, merged: bool):
+    """The scope of a step's passes: checkpointed at every layer when they are merged."""
+    return model.checkpointed(1) if merged else nullcontext()
 
 
 def batch_hidden(model: Transformer, batch: PackedBatch) -> torch.Tensor:

@@ -69,7 +69,7 @@ class PolicyOptimizer:
         self.setup, self.optimizer, self.loss_options = setup, optimizer, loss_options
         self.schedule, self.options, self.duty = schedule, logprob_options, duty
         self.micro_batch, self.seed, self.ranks = micro_batch, seed, ranks
-        self.merging = setup.merging(ranks.spread)
+        self.merging = setup.merging(ranks.spread, rollouts=True)
         self.params = setup.adapter.parameters()
         self.global_step = 0
         self.total_steps = schedule.total_steps  # re-planned at every update (Schedule.total_from)

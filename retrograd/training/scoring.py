@@ -110,11 +110,15 @@ class Passes:
 def plan_passes(rollouts: Sequence[Rollout], micro_batch: int, merging: Merging | None, checkpoint_every: int) -> Passes:
     """How an update's `rollouts` are split into passes: micro-batches of `micro_batch` tokens,
     or, where those are small (`merging`), merged passes that keep no more than the largest of
-    them would."""
+    them would; passes with gradients merge only where that makes fewer of them, since a merged
+    one pays for recomputing its layers."""
     if merging is None:
         return Passes(micro_batch, micro_batch, checkpoint_every)
-    kept = max(batch_tokens(rollouts, batch) for batch in plan_shared(rollouts, micro_batch))
-    return Passes(*merging.budgets(kept), 1)
+    configured = plan_shared(rollouts, micro_batch)
+    train, score = merging.budgets(max(batch_tokens(rollouts, batch) for batch in configured))
+    if len(plan_shared(rollouts, train)) < len(configured):
+        return Passes(train, score, 1)
+    return Passes(micro_batch, score, checkpoint_every)
 
 
 def batch_tokens(rollouts: Sequence[Rollout], batch: MicroBatch) -> int:

@@ -48,7 +48,7 @@ from retrograd.teacher import (
     tokenizer_fingerprint,
     write_sidecar,
 )
-from retrograd.training.batches import LogprobOptions, epoch_plan, mean_loss, pack
+from retrograd.training.batches import LogprobOptions, epoch_plan, mean_loss, merge_micro_batches, merged_passes, pack
 from retrograd.training.checkpoint import check_signature, file_fingerprint, resume_point
 from retrograd.training.metrics import MetricsSink, run_record
 from retrograd.training.optim import Schedule, build_optimizer
@@ -219,6 +219,9 @@ class OfflineLoop(RecipeLoop):
         self.schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, sum(len(p) for p in self.plans), t.max_grad_norm)
         self.progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
         self.rss_after_load = self.peak_rss = rss_bytes()
+        self.merging = setup.merging()  # one process (refused under torchrun)
+        if self.merging is not None:
+            reporter.message(self.merging.describe(t.micro_batch))
 
     def run(self, resume) -> DistillResult:
         cfg, d = self.cfg, self.cfg.distill
@@ -301,12 +304,14 @@ class OfflineLoop(RecipeLoop):
         lr = self.schedule.apply(self.optimizer, step)
         n_trained = sum(self.examples[i].n_trained for mb in micro_batches for i in mb)
         m = {"train/loss": 0.0, "distill/teacher_topk_mass": 0.0, "distill/student_topk_mass": 0.0, "batch/tokens": 0}
-        for mb in micro_batches:
+        passes, merged = merge_micro_batches(micro_batches, {i: len(self.examples[i].ids) for mb in micro_batches for i in mb}, self.merging)
+        for mb in passes:
             batch = pack([self.examples[i] for i in mb], setup.device)
             rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in mb])  # in packing order
             teacher_ids = torch.from_numpy(self.sidecar.ids[rows].astype(np.int64)).to(setup.device)  # [N, K]
             teacher_logp = torch.from_numpy(np.asarray(self.sidecar.logprobs[rows])).to(setup.device)  # [N, K]
-            student_logp, _ = gather_at(setup.model.transformer, batch, teacher_ids, self.options)  # [N, K]
+            with merged_passes(setup.model.transformer, merged):
+                student_logp, _ = gather_at(setup.model.transformer, batch, teacher_ids, self.options)  # [N, K]
             every = torch.ones(len(rows), dtype=torch.bool, device=setup.device)  # [N]
             loss, diag = topk_cross_entropy(student_logp, teacher_logp, every, n_trained)
             loss.backward()
