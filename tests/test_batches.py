@@ -20,14 +20,16 @@ def test_plan_keeps_order_and_budget():
 
 
 def test_a_steps_small_micro_batches_merge_in_order_within_the_largest_ones_memory():
-    lengths = [30, 20, 25, 40, 10, 5, 33]
-    step = [[0, 1], [2], [3], [4, 5], [6]]  # the largest keeps 50 tokens
-    assert merge_micro_batches(step, lengths, None) == (step, False)
-    assert merge_micro_batches(step, lengths, Merging(train=2.0, score=4.0, cap=512)) == ([[0, 1, 2], [3, 4, 5, 6]], True)  # <= 100 tokens
-    assert merge_micro_batches(step, lengths, Merging(train=4.0, score=8.0, cap=512)) == ([[0, 1, 2, 3, 4, 5, 6]], True)
-    assert merge_micro_batches(step, lengths, Merging(train=4.0, score=8.0, cap=60)) == ([[0, 1], [2], [3, 4, 5], [6]], True)  # <= 60
-    assert merge_micro_batches([[0], [3]], lengths, Merging(train=4.0, score=8.0, cap=60)) == ([[0], [3]], False)  # no fewer passes
-    assert merge_micro_batches([[3, 0]], lengths, Merging(train=9.0, score=31.0, cap=512)) == ([[3, 0]], False)  # one stays one
+    lengths = [30, 20, 25, 40, 10, 5, 33, 200]
+    step = [[0, 1], [2], [3], [4, 5], [6]]  # the largest keeps 50 tokens; 163 in all
+    assert merge_micro_batches(step, lengths, None) == (step, [False] * 5)
+    assert merge_micro_batches(step, lengths, Merging(train=2.0, score=4.0, cap=512)) == ([[0, 1, 2], [3, 4, 5, 6]], [True, True])  # <= 100 tokens
+    assert merge_micro_batches(step, lengths, Merging(train=4.0, score=8.0, cap=512)) == ([[0, 1, 2, 3, 4, 5, 6]], [True])
+    # passes of <= 60 tokens would be 4 instead of 5: one pass saved does not pay for recomputing 163 tokens
+    assert merge_micro_batches(step, lengths, Merging(train=4.0, score=8.0, cap=60)) == (step, [False] * 5)
+    assert merge_micro_batches([[3, 0]], lengths, Merging(train=9.0, score=31.0, cap=512)) == ([[3, 0]], [False])  # one stays one
+    # a long example runs alone and as configured; the short ones merge up to the cap
+    assert merge_micro_batches([[0], [1], [4], [5], [7]], lengths, Merging(train=4.0, score=8.0, cap=100)) == ([[0, 1, 4, 5], [7]], [True, False])
 
 
 def test_packed_rows_equal_separate_rows(tiny_model):

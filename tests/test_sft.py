@@ -298,7 +298,7 @@ def test_small_micro_batches_run_merged_where_the_heap_hands_memory_back(tmp_pat
         assert (passes, said, checkpointed_passes) == (unmerged_passes, [], {False})
         assert losses == unmerged_losses
         return
-    assert said == ["passes: micro-batches of 16 tokens run merged, up to 512 tokens per pass "
+    assert said == ["passes: micro-batches of 16 tokens run merged where that saves time, up to 512 tokens per pass "
                     "(checkpointed at every layer when training) in the same activation memory"]
     assert checkpointed_passes == {True} and passes < unmerged_passes, (passes, unmerged_passes)
     # the same examples per step; packed differently, float32 rounding apart

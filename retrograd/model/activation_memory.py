@@ -54,13 +54,19 @@ def activation_bytes(spec: ModelSpec, tokens: int, compute_bytes: int, lora_rank
 PASS_TOKENS_GLIBC = 256
 PASS_TOKENS_JEMALLOC = 512
 
-# Micro-batches of at most this many tokens merge. A pass of T tokens costs about c0 + c1 T, and
-# checkpointed at every layer c0 + 1.5 c1 T (it computes its forward twice, and with a frozen
-# base the backward costs about one forward), so merging k passes into one pays while
-# (k - 1) c0 > c1 k T / 2: up to T = 2 c0 / c1 for many passes, c0 / c1 for two. SmolLM2 on
-# 2 threads of a Xeon (AMX): c0 = 164 ms, c1 = 1.46 ms per token in bf16; 198 ms and
-# 2.9 ms in f32.
+# About 2 c0 / c1, rounded down: a pass over T tokens costs about c0 + c1 T, and checkpointed at
+# every layer c0 + 1.5 c1 T (it computes its forward twice, and with a frozen base the backward
+# costs about one forward). SmolLM2 on 2 threads of a Xeon (AMX): c0 = 164 ms, c1 = 1.46 ms per
+# token in bf16 (2 c0 / c1 = 225); 198 ms and 2.9 ms in f32 (136). Micro-batches of more tokens
+# never gain from merging, and merging_pays weighs the passes saved against the recomputation.
 SMALL_MICRO_BATCH = 128
+
+
+def merging_pays(configured: int, merged: int, tokens: int) -> bool:
+    """Whether `merged` passes checkpointed at every layer over `tokens` tokens in all take less
+    time than the `configured` passes without: each pass saved saves c0, the recomputation
+    costs c1 * tokens / 2."""
+    return (configured - merged) * SMALL_MICRO_BATCH > tokens
 
 
 @dataclass(frozen=True)
@@ -80,8 +86,8 @@ class Merging:
         return tuple(max(kept_tokens, min(int(kept_tokens * factor), self.cap)) for factor in (self.train, self.score))
 
     def describe(self, micro_batch: int) -> str:
-        return (f"passes: micro-batches of {micro_batch} tokens run merged, up to {self.cap} tokens per pass "
-                f"(checkpointed at every layer when training) in the same activation memory")
+        return (f"passes: micro-batches of {micro_batch} tokens run merged where that saves time, up to {self.cap} tokens "
+                f"per pass (checkpointed at every layer when training) in the same activation memory")
 
 
 def merging(spec: ModelSpec, micro_batch: int, compute_bytes: int, lora_rank: int, *, checkpoint_every: int,

@@ -304,10 +304,10 @@ class Objective:
     def step(self, items, micro_batches: list[list[int]], ref: list[float] | None, n_items: int) -> dict:
         z0 = self._reference_point([items[i] for mb in micro_batches for i in mb]) if self.pc.loss == "kto" else None
         sums = dict.fromkeys(SUMMED, 0.0)
-        micro_batches, merged = merge_micro_batches(micro_batches, [item.n_tokens for item in items], self.merging)
+        micro_batches, checkpointed = merge_micro_batches(micro_batches, {i: items[i].n_tokens for mb in micro_batches for i in mb}, self.merging)
         for j in self.ranks.share(micro_batches):  # every micro-batch on one rank; dealt out under torchrun
             mb = micro_batches[j]
-            with merged_passes(self.scorer.setup.model.transformer, merged):
+            with merged_passes(self.scorer.setup.model.transformer, checkpointed[j]):
                 loss, parts = self._losses([items[i] for i in mb], self._ref(ref, mb), z0)
             (loss.sum() / n_items).backward()
             for key, value in parts.items():

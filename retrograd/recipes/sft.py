@@ -77,7 +77,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
     optimizer = build_optimizer(params, t.optimizer, t.lr, t.weight_decay)
 
     lengths = [len(x.ids) for x in examples]
-    merging = setup.merging(ranks.spread)
+    merging = setup.merging(ranks.spread) if t.gradient_accumulation > 1 else None  # a step of one micro-batch runs it
     if merging is not None:
         reporter.message(merging.describe(t.micro_batch))
     plans = [epoch_plan(lengths, e, seed=cfg.lora.seed, shuffle=cfg.sft.shuffle, micro_batch=t.micro_batch, accumulation=t.gradient_accumulation) for e in range(t.epochs)]
@@ -121,7 +121,7 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                 lr = schedule.apply(optimizer, step)
                 threads = setup.cpu.adjust()
                 t0 = time.perf_counter()
-                passes, merged = merge_micro_batches(steps[k], lengths, merging)
+                passes, checkpointed = merge_micro_batches(steps[k], lengths, merging)
                 micro_batches = [[examples[i] for i in mb] for mb in passes]
                 n_trained = sum(e.n_trained for mb in micro_batches for e in mb)
                 step_loss, step_tokens = 0.0, 0
@@ -129,13 +129,13 @@ def run(cfg: Config, reporter: Reporter, *, resume: Path | bool | None = None) -
                     mb = micro_batches[j]
                     t1 = time.perf_counter()
                     batch = pack(mb, setup.device)
-                    with merged_passes(transformer, merged):
+                    with merged_passes(transformer, checkpointed[j]):
                         loss = -batch_logprobs(transformer, batch, options).sum() / n_trained
                     loss.backward()
                     step_loss += float(loss.detach())
                     step_tokens += batch.n_tokens
                     setup.detail(
-                        f"step {step + 1} micro-batch {j + 1}/{len(micro_batches)}: {len(mb)} sequences, {batch.n_tokens} tokens "
+                        f"step {step + 1} {'pass' if merging else 'micro-batch'} {j + 1}/{len(micro_batches)}: {len(mb)} sequences, {batch.n_tokens} tokens "
                         f"({len(batch.targets)} trained), loss share {float(loss.detach()):.5f}, {time.perf_counter() - t1:.2f} s"
                     )
                 t1 = time.perf_counter()

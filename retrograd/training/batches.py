@@ -23,7 +23,7 @@ import torch
 
 from retrograd.data import TokenSequence
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, TOKEN_CHUNK, VOCAB_TILE
-from retrograd.model.activation_memory import Merging
+from retrograd.model.activation_memory import Merging, merging_pays
 from retrograd.model.transformer import Layout, Past, Transformer
 
 
@@ -180,22 +180,27 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 
 def merge_micro_batches(micro_batches: list[list[int]], lengths: Sequence[int] | Mapping[int, int],
-                        merging: Merging | None) -> tuple[list[list[int]], bool]:
+                        merging: Merging | None) -> tuple[list[list[int]], list[bool]]:
     """A step's micro-batches (item indices; `lengths[i]` tokens each) as the passes that run
-    them, and whether those are merged (to run inside merged_passes): with `merging`, repacked
-    in order into fewer passes that keep no more than the largest micro-batch would; as they are
-    where that makes no fewer passes, since a merged pass pays for recomputing its layers."""
+    them, and for each whether it runs checkpointed at every layer (merged_passes). With
+    `merging`, and where that pays (merging_pays), the items are repacked in order into fewer
+    passes of up to merging.cap tokens that keep no more than the largest micro-batch would;
+    a pass that holds one micro-batch's items or fewer runs as configured."""
+    unmerged = micro_batches, [False] * len(micro_batches)
     if merging is None or len(micro_batches) < 2:
-        return micro_batches, False
+        return unmerged
     items = [i for mb in micro_batches for i in mb]
     budget, _ = merging.budgets(max(sum(lengths[i] for i in mb) for mb in micro_batches))
-    passes = [[items[j] for j in mb] for mb in plan_micro_batches([lengths[i] for i in items], budget)]
-    return (passes, True) if len(passes) < len(micro_batches) else (micro_batches, False)
+    passes = [[items[j] for j in mb] for mb in plan_micro_batches([lengths[i] for i in items], min(budget, merging.cap))]
+    if not merging_pays(len(micro_batches), len(passes), sum(lengths[i] for i in items)):
+        return unmerged
+    home = {i: k for k, mb in enumerate(micro_batches) for i in mb}
+    return passes, [len({home[i] for i in p}) > 1 for p in passes]
 
 
-def merged_passes(model: Transformer, merged: bool):
-    """The scope of a step's passes: checkpointed at every layer when they are merged."""
-    return model.checkpointed(1) if merged else nullcontext()
+def merged_passes(model: Transformer, checkpointed: bool):
+    """The scope of a merged pass: checkpointed at every layer."""
+    return model.checkpointed(1) if checkpointed else nullcontext()
 
 
 def batch_hidden(model: Transformer, batch: PackedBatch) -> torch.Tensor:

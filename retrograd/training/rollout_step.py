@@ -107,7 +107,7 @@ class PolicyOptimizer:
                     ref = self._score(rollouts, passes, timing, "reference")
         with timing.phase("optimizer"):
             for idx in steps:
-                step_parts = self._step(model, samples, idx, passes, old, ref, beta, budget_tokens)
+                step_parts = self._step(model, samples, idx, old, ref, beta, budget_tokens)
                 parts.extend(step_parts)
                 per_step.append(merge_diagnostics(step_parts))
 
@@ -144,7 +144,7 @@ class PolicyOptimizer:
                 out[i] = logp.to(self.setup.device)
         return out
 
-    def _step(self, model, samples, idx, passes: Passes, old, ref, beta, budget_tokens) -> list[dict]:
+    def _step(self, model, samples, idx, old, ref, beta, budget_tokens) -> list[dict]:
         """One optimizer step on samples `idx`. A sample whose `old` log-probs are still
         unknown is in the update's first step: this forward is the policy as it sampled, so
         it fills them in (and `ref`'s, when that is the same list)."""
@@ -153,6 +153,7 @@ class PolicyOptimizer:
         counts = MinibatchCounts(len(idx), sum(samples[i].n_scored for i in idx), budget_tokens)
         parts = []
         rollouts = [samples[i].rollout for i in idx]
+        passes = self.passes(rollouts)  # per step: whether merging pays depends on the minibatch
         micro_batches = plan_shared(rollouts, passes.train)
         mine = [micro_batches[k] for k in self.ranks.share(micro_batches)]  # all of them on one rank
         scored = scored_micro_batches(model, rollouts, mine, self.options, self.setup.device)

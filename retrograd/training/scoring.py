@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from retrograd.data import TokenSequence
-from retrograd.model.activation_memory import Merging
+from retrograd.model.activation_memory import Merging, merging_pays
 from retrograd.model.transformer import Transformer
 from retrograd.training.batches import Group, LogprobOptions, SharedPrefix, batch_hidden, batch_logprobs, pack
 
@@ -110,13 +110,14 @@ class Passes:
 def plan_passes(rollouts: Sequence[Rollout], micro_batch: int, merging: Merging | None, checkpoint_every: int) -> Passes:
     """How an update's `rollouts` are split into passes: micro-batches of `micro_batch` tokens,
     or, where those are small (`merging`), merged passes that keep no more than the largest of
-    them would; passes with gradients merge only where that makes fewer of them, since a merged
-    one pays for recomputing its layers."""
+    them would; passes with gradients merge only where that pays for recomputing their layers
+    (merging_pays)."""
     if merging is None:
         return Passes(micro_batch, micro_batch, checkpoint_every)
     configured = plan_shared(rollouts, micro_batch)
     train, score = merging.budgets(max(batch_tokens(rollouts, batch) for batch in configured))
-    if len(plan_shared(rollouts, train)) < len(configured):
+    tokens = sum(len(r.tokens) for r in rollouts) + sum(len(r.prompt) for r in {r.group: r for r in rollouts}.values())
+    if merging_pays(len(configured), len(plan_shared(rollouts, train)), tokens):
         return Passes(train, score, 1)
     return Passes(micro_batch, score, checkpoint_every)
 

@@ -219,7 +219,7 @@ class OfflineLoop(RecipeLoop):
         self.schedule = Schedule(t.lr, t.lr_scheduler, t.warmup_steps, sum(len(p) for p in self.plans), t.max_grad_norm)
         self.progress = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "best_eval": None, "stale_evals": 0}
         self.rss_after_load = self.peak_rss = rss_bytes()
-        self.merging = setup.merging()  # one process (refused under torchrun)
+        self.merging = setup.merging() if t.gradient_accumulation > 1 else None  # one process (refused under torchrun)
         if self.merging is not None:
             reporter.message(self.merging.describe(t.micro_batch))
 
@@ -304,8 +304,8 @@ class OfflineLoop(RecipeLoop):
         lr = self.schedule.apply(self.optimizer, step)
         n_trained = sum(self.examples[i].n_trained for mb in micro_batches for i in mb)
         m = {"train/loss": 0.0, "distill/teacher_topk_mass": 0.0, "distill/student_topk_mass": 0.0, "batch/tokens": 0}
-        passes, merged = merge_micro_batches(micro_batches, {i: len(self.examples[i].ids) for mb in micro_batches for i in mb}, self.merging)
-        for mb in passes:
+        passes, checkpointed = merge_micro_batches(micro_batches, {i: len(self.examples[i].ids) for mb in micro_batches for i in mb}, self.merging)
+        for mb, merged in zip(passes, checkpointed):
             batch = pack([self.examples[i] for i in mb], setup.device)
             rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in mb])  # in packing order
             teacher_ids = torch.from_numpy(self.sidecar.ids[rows].astype(np.int64)).to(setup.device)  # [N, K]
