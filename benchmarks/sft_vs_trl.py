@@ -13,7 +13,7 @@ rows 8k..8k+7 in order, 20 steps (--steps); AdamW lr 1e-4 constant, no weight de
 2 threads. TRL: transformers dequantizes the GGUF to float32, PEFT LoRA, SFTTrainer on
 prompt/completion conversations with completion_only_loss, fp32, no gradient checkpointing.
 Ours: what a user runs, `retrograd train` in its own process on a TOML this script writes
-(the default [model] weights, or "quantized" for ours-f32-quantized, f32 or bf16 compute, sft.shuffle = false, gradient_accumulation = 1 and a
+(the default [model] weights, or "quantized" for ours-*-quantized, f32 or bf16 compute, sft.shuffle = false, gradient_accumulation = 1 and a
 micro_batch token budget that packs exactly rows 8k..8k+7 into step k, which is checked with
 the recipe's own planner; no evaluation, no checkpoints); its numbers come from the run's own
 metrics.jsonl, so they are the progress table's.
@@ -55,7 +55,7 @@ from pathlib import Path
 from sized_models import bench_model, use_model
 
 TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
-SIDES = ("trl", "ours-f32", "ours-bf16", "ours-bf16-gc", "ours-f32-quantized")
+SIDES = ("trl", "ours-f32", "ours-bf16", "ours-bf16-gc", "ours-f32-quantized", "ours-bf16-quantized")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 OUR_TARGETS = ["q", "k", "v", "o", "ffn_gate", "ffn_up", "ffn_down"]
 LOSS_STEPS = (1, 5, 10, 20)  # those the run has
@@ -283,6 +283,7 @@ CHILDREN = {
     "ours-bf16": lambda: run_ours("bf16"),
     "ours-bf16-gc": lambda: run_ours("bf16", checkpointing=True),
     "ours-f32-quantized": lambda: run_ours("f32", weights="quantized"),  # the base in its GGUF blocks
+    "ours-bf16-quantized": lambda: run_ours("bf16", weights="quantized"),
 }
 
 
@@ -444,18 +445,19 @@ def print_report(results: dict[str, dict], probe: dict[str, float] | None) -> No
         ("other processes, cores", lambda s: f"{s['other_cores']:.2f}", None),
     ]
     ratios = ours if "trl" in results else []
-    print(f"{'':<27}" + "".join(f"{s:>13}" for s in sides) + "".join(f"{s + '/trl':>18}" for s in ratios))
+    width = max(map(len, sides)) + 2
+    print(f"{'':<27}" + "".join(f"{s:>{width}}" for s in sides) + "".join(f"{s + '/trl':>{width + 4}}" for s in ratios))
     for label, cell, key in rows:
-        line = f"{label:<27}" + "".join(f"{cell(results[s]):>13}" for s in sides)
+        line = f"{label:<27}" + "".join(f"{cell(results[s]):>{width}}" for s in sides)
         if key:
-            line += "".join(f"{results[s][key] / results['trl'][key]:>18.2f}" for s in ratios)
+            line += "".join(f"{results[s][key] / results['trl'][key]:>{width + 4}.2f}" for s in ratios)
         print(line)
     for s in ours if probe else ():
         dtype = s.split("-")[1]
         print(f"{s}: {results[s]['gflop_s'] / probe[dtype]:.0%} of the {dtype} matmul probe")
     print("\nloss per step")
     for s in sides:
-        print(f"  {s:<13} " + " ".join(f"{x:.2f}" for x in results[s]["losses"]))
+        print(f"  {s:<{width}} " + " ".join(f"{x:.2f}" for x in results[s]["losses"]))
 
 
 def main() -> None:

@@ -183,7 +183,7 @@ def dequantize(
 ) -> torch.Tensor:
     """Raw GGUF bytes (uint8, any shape whose byte count is whole blocks) -> `shape` in `dtype`,
     written into `out` when given (a contiguous tensor of `shape` and `dtype`: on the CPU's C
-    path in float32 nothing new is allocated).
+    path in float32 or bfloat16 nothing new is allocated).
 
     `shape` is the torch (row-major) shape, i.e. the reverse of GGUF's `ne`. On the CPU the
     block types run in native_dequant's C loops when they are built (the same bits), on
@@ -196,8 +196,8 @@ def dequantize(
     if out is not None:
         assert out.shape == shape and out.dtype == dtype and out.is_contiguous(), (out.shape, out.dtype, shape, dtype)
     if raw.device.type == "cpu" and native_dequant.available(qtype):
-        direct = out if out is not None and dtype == torch.float32 else None
-        values = native_dequant.dequantize_blocks(blocks, qtype, out=direct)
+        written = dtype if dtype in native_dequant.OUTPUTS else torch.float32
+        values = native_dequant.dequantize_blocks(blocks, qtype, out=out if written == dtype else None, dtype=written)
     else:
         values = codec.dequantize_blocks(blocks)
     if out is None:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
+from retrograd.kernels import native_dequant
 from retrograd.kernels.dequant import CODECS, dequantize
 
 # Dense copies (kept for a run or for a scope) may take at most this share of the memory that
@@ -108,8 +109,10 @@ class FrozenWeight:
         if self.ready(dtype) is not None or self.is_dense or self.data.device.type != "cpu":
             return self.row_range(start, stop, dtype)
         shape = (stop - start, self.shape[-1])
+        if dtype in native_dequant.OUTPUTS:  # written in that dtype by the C loops, or copied into it once
+            return dequantize(self.data[start:stop], self.qtype, shape, dtype, out=_buffer(shape, dtype))
         values = dequantize(self.data[start:stop], self.qtype, shape, out=_buffer(shape, torch.float32))
-        return values if dtype == torch.float32 else _buffer(shape, dtype).copy_(values)
+        return _buffer(shape, dtype).copy_(values)
 
     def dense_nbytes(self, dtype: torch.dtype) -> int:
         """What a dense copy in `dtype` costs."""

@@ -72,10 +72,16 @@ def test_kernel_keeps_to_the_blocks_device(qtype):
     assert out.device.type == "meta" and out.shape == (4 * GGML_QUANT_SIZES[qtype][0],)
 
 
-def test_bf16_output_is_the_rounded_f32_output():
-    raw = torch.from_numpy(random_blocks(QT.Q4_K, 64, np.random.default_rng(0)))
-    f32 = dequantize(raw, QT.Q4_K, (64 * 256,))
-    assert torch.equal(dequantize(raw, QT.Q4_K, (64 * 256,), torch.bfloat16), f32.to(torch.bfloat16))
+@pytest.mark.parametrize("qtype", native_dequant.FUNCTIONS, ids=lambda q: q.name)
+def test_bf16_output_is_the_rounded_f32_output(qtype):
+    """The C loops' bfloat16 output rounds each float32 value as torch does (ties to even)."""
+    raw = torch.from_numpy(random_blocks(qtype, 4099, np.random.default_rng(qtype.value)))
+    n = 4099 * GGML_QUANT_SIZES[qtype][0]
+    f32 = dequantize(raw, qtype, (n,))
+    bf16 = dequantize(raw, qtype, (n,), torch.bfloat16)
+    rounded = f32.to(torch.bfloat16)
+    bad = torch.nonzero(bf16.view(torch.int16) != rounded.view(torch.int16)).flatten()
+    assert bad.numel() == 0, f"{bad.numel()} values differ, first at {bad[0]}: {bf16[bad[0]]} vs {rounded[bad[0]]} (from {f32[bad[0]]})"
 
 
 def q5_1_weight(rows: int, cols: int, seed: int) -> FrozenWeight:
@@ -141,3 +147,25 @@ def test_without_a_compiler_the_torch_codecs_dequantize(monkeypatch):
         assert torch.equal(dequantize(raw, QT.Q6_K, (2048 * 256,)), with_c)
     finally:
         native_dequant._library.cache_clear()
+
+
+def test_a_library_is_built_per_cpu_and_falls_back_to_the_baseline(monkeypatch, tmp_path):
+    """-march=native libraries are named by the CPU's features, so a cache shared with another
+    CPU builds its own; a compiler that refuses the native flags builds the baseline, same bits."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiler = native_dequant._compiler()
+    here = native_dequant._build(compiler)
+    monkeypatch.setattr(native_dequant, "_cpu", lambda: "model name: another CPU\nflags: fpu sse2\n")
+    monkeypatch.setattr(native_dequant, "NATIVE", ("-march=no-such-cpu",))
+    baseline = native_dequant._build(compiler)
+    assert baseline != here and baseline.parent == here.parent == tmp_path / "retrograd"
+    raw = torch.from_numpy(random_blocks(QT.Q4_0, 2048, np.random.default_rng(5)))
+    outputs = []
+    for lib in (here, baseline):
+        native_dequant._library.cache_clear()
+        monkeypatch.setattr(native_dequant, "_build", lambda compiler, lib=lib: lib)
+        outputs.append([dequantize(raw, QT.Q4_0, (2048 * 32,), dtype) for dtype in (torch.float32, torch.bfloat16)])
+    native_dequant._library.cache_clear()
+    for a, b in zip(*outputs):
+        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
