@@ -44,3 +44,21 @@ def test_gemma2_estimate_counts_its_soft_capped_score_matrices(tiny_model, row):
         assert scores > 0.75 * measured  # the score matrices dominate
     estimate = activation_bytes(spec, n, 4, 4, row_length=row)
     assert 0.8 <= estimate / measured <= 1.25, (estimate, measured)
+
+
+def test_bf16_compute_keeps_the_ffn_in_bf16(tiny_model):
+    """In bf16 compute the widest activations, the FFN's gate and up, are kept in bf16 even
+    with a LoRA on them (whose float32 sum feeds the gated product), and the estimate follows."""
+    model = retrograd.load_model(tiny_model("llama"), weights="bf16")
+    model.transformer.compute_dtype = torch.bfloat16
+    spec = model.spec
+    attach_lora(model.transformer, ["auto"], 4, 8.0, seed=0)
+    n = 512
+    tokens, layout = torch.arange(100, 100 + n), Layout.from_rows([list(range(n))], list(range(n)), [(0, j) for j in range(n)])
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        model.transformer(tokens, layout)
+    ffn_wide = [t for t in kept if t.shape == (n, spec.n_ff)]
+    assert len(ffn_wide) >= 3 * spec.n_layer and all(t.dtype == torch.bfloat16 for t in ffn_wide)
+    estimate, measured = activation_bytes(spec, n, 2, 4), saved_for_backward(model.transformer, tokens, layout)
+    assert 0.8 <= estimate / measured <= 1.25, (estimate, measured)

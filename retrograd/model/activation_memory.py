@@ -30,7 +30,7 @@ def activation_bytes(spec: ModelSpec, tokens: int, compute_bytes: int, lora_rank
     # lfm2's gated short convolution in place of attention: in_proj's output and the gated product
     # in the compute dtype, the padded b * x and the convolution in float32
     conv = 4 * E * c + 2 * E * f
-    ffn = 4 * F * c + E * f  # gate, act(gate), up, product; down output
+    ffn = 3 * F * c + E * f  # gate and up (GatedProduct keeps them in the compute dtype), product; down output
     # a mixture (spec.moe_layers; lfm2moe keeps dense FFNs in its leading layers): that for each of a token's
     # experts (its gathered input, its output in float32, in slot order, weighted), and the router's float32
     # logits and gated values
