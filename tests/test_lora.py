@@ -88,3 +88,33 @@ def test_a_small_delta_survives_bf16_compute():
     assert out.dtype == torch.float32
     assert torch.allclose(out - base, expected, rtol=0.05, atol=1e-6)
     assert (out.bfloat16().float() - base).abs().max() < expected.abs().max()  # what bf16 alone would keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_adapters_gradients_are_those_of_its_formula(dtype):
+    """LoRALinear's one autograd node gives the gradients autograd finds for
+    base(x) + scale * (x A^T) B^T written out in float64: for x, A and B, in float32 and in
+    bf16 compute (there to bf16's resolution of x and of the gradient reaching the base)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from retrograd.kernels.frozen import FrozenWeight
+    from retrograd.model.layers import FrozenLinear
+    from retrograd.model.lora import LoRALinear
+
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 32, generator=g).to(dtype)
+    layer = LoRALinear(FrozenLinear(FrozenWeight("w", weight, QT.F32, (48, 32)), None), 4, 8.0, g)
+    with torch.no_grad():
+        layer.lora_b.copy_(torch.randn(48, 4, generator=g) * 0.1)
+    x = torch.randn(2, 6, 32, generator=g).to(dtype).requires_grad_()
+    upstream = torch.randn(2, 6, 48, generator=g)
+    (layer(x) * upstream).sum().backward()
+
+    x64 = x.detach().double().requires_grad_()
+    a64, b64 = (p.detach().double().requires_grad_() for p in (layer.lora_a, layer.lora_b))
+    out64 = x64 @ weight.double().T + layer.scale * (x64 @ a64.T) @ b64.T
+    (out64 * upstream.double()).sum().backward()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for ours, exact in ((x.grad, x64.grad), (layer.lora_a.grad, a64.grad), (layer.lora_b.grad, b64.grad)):
+        assert ours.shape == exact.shape
+        assert (ours.double() - exact).abs().max() <= tol * exact.abs().max(), (ours.dtype, (ours.double() - exact).abs().max())
