@@ -2,12 +2,10 @@
 
 A FrozenWeight holds either the raw GGUF bytes (dequantized per use) or a dense tensor
 (the `bf16` / `f32` weight modes, `auto` when it fits, or GGUF tensors that are already
-F32). Beside its blocks it may carry a dense copy in the compute dtype (`kept`): for the
-model's life (`auto`'s token embedding, whose float32 rows still come from the blocks; the
-quantized matrices of a rollout run from its first update on: `hold_copies`), so that
-micro-batches share one dequantization instead of paying two each (forward and backward).
-The copy holds exactly what dequantizing per use gives, so results are the same bits
-either way.
+F32). Beside its blocks it may carry a dense copy in the compute dtype (`kept`) for the
+model's life: `auto`'s token embedding, whose float32 rows still come from the blocks while
+its matmuls use the copy. The copy holds exactly what dequantizing per use gives, so results
+are the same bits either way.
 
 `frozen_linear` is an autograd function that saves nothing for backward but the weight
 handle: without a kept copy the backward pass dequantizes again instead of keeping a dense
@@ -21,8 +19,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -32,7 +29,7 @@ from gguf import GGMLQuantizationType as QT
 from retrograd.kernels import native_dequant
 from retrograd.kernels.dequant import CODECS, dequantize
 
-# Dense copies (kept for a run or for a scope) may take at most this share of the memory that
+# Dense copies (`weights = "auto"`) may take at most this share of the memory that
 # is free when they are made: host RAM as psutil's `available`, or the GPU's free memory.
 DENSE_BUDGET_FRACTION = 0.5
 HOST_MEMORY_ENV = "RETROGRAD_HOST_MEMORY"
@@ -174,44 +171,6 @@ def dense_budget(device: torch.device) -> Budget:
     else:
         free, where = min(psutil.virtual_memory().available, int(os.environ.get(HOST_MEMORY_ENV, 2**62))), "RAM"
     return Budget(int(DENSE_BUDGET_FRACTION * free), free, where)
-
-
-@dataclass
-class Kept:
-    """Dense copies made by `hold_copies`: `made` of the `wanted` weights that were not dense
-    already (the rest did not fit), `nbytes` in all, within `budget` bytes."""
-
-    made: int = 0
-    wanted: int = 0
-    nbytes: int = 0
-    budget: int = 0
-    held: list = field(default_factory=list, repr=False)  # the FrozenWeights whose `kept` is set
-
-    def describe(self) -> str:
-        return f"kept {self.made} of {self.wanted} quantized base matrices dense ({self.nbytes / 2**20:.0f} MiB of a {self.budget / 2**20:.0f} MiB budget)"
-
-    def release(self) -> None:
-        for w in self.held:
-            w.kept = None
-        self.held.clear()
-
-
-def hold_copies(weights: Iterable[FrozenWeight], dtype: torch.dtype, budget: int) -> Kept:
-    """Each weight that would be dequantized (or cast) per use gets a dense copy in `dtype`,
-    in order while the copies fit `budget` bytes; the rest keep dequantizing per use. The
-    copies stay until `Kept.release`."""
-    kept = Kept(budget=budget)
-    for w in weights:
-        if w.ready(dtype) is not None:
-            continue
-        kept.wanted += 1
-        cost = w.dense_nbytes(dtype)
-        if kept.nbytes + cost <= budget:
-            w.kept = w.dense(dtype).contiguous()
-            kept.held.append(w)
-            kept.made += 1
-            kept.nbytes += cost
-    return kept
 
 
 class _FrozenLinear(torch.autograd.Function):

@@ -15,10 +15,9 @@ from test_grpo import write_config
 import retrograd
 from retrograd.config import load_config
 from retrograd.kernels import frozen
-from retrograd.kernels.frozen import HOST_MEMORY_ENV, hold_copies
 from retrograd.model.activation_memory import PASS_TOKENS_GLIBC, PASS_TOKENS_JEMALLOC, merging
 from retrograd.model.lora import attach_lora
-from retrograd.recipes import common, grpo
+from retrograd.recipes import grpo
 from retrograd.recipes.common import load_base, open_chat
 from retrograd.training.batches import LogprobOptions, SharedPrefix
 from retrograd.training.report import SilentReporter
@@ -73,35 +72,6 @@ def train_pass(model, adapter, samples, budget):
         for row, i in enumerate(batch.rollouts):
             out[i] = logp[row][mask[row]].detach()
     return torch.cat(out), [p.grad.clone() for p in adapter.parameters()]
-
-
-@pytest.mark.parametrize("compute", ["f32", "bf16"])
-def test_kept_dense_weights_give_the_same_bits(tiny_model, compute, monkeypatch, one_thread):
-    model, adapter = adapted(tiny_model("llama", qtype=QT.Q8_0), compute_dtype=compute)
-    samples = rollouts()
-    plain_logp, plain_grads = train_pass(model, adapter, samples, budget=12)
-    weights = model.frozen_weights()
-    full = sum(w.dense_nbytes(model.compute_dtype) for w in weights)
-    calls = []
-    real = frozen.dequantize
-    monkeypatch.setattr(frozen, "dequantize", lambda raw, *a, **k: calls.append(raw.shape) or real(raw, *a, **k))
-    for budget, made in ((full, len(weights)), (full // 2, None), (0, 0)):
-        kept = hold_copies(weights, model.compute_dtype, budget)
-        calls.clear()
-        logp, grads = train_pass(model, adapter, samples, budget=12)
-        kept.release()
-        assert kept.wanted == len(weights) and kept.nbytes <= budget
-        if made is None:
-            assert 0 < kept.made < len(weights)  # the rest dequantize per use, side by side with the kept ones
-        else:
-            assert kept.made == made
-        assert torch.equal(logp, plain_logp)
-        assert all(torch.equal(g, h) for g, h in zip(grads, plain_grads))
-        if made == len(weights) and compute == "f32":  # nothing dequantized while the copies were held
-            assert calls == []
-        if made == 0:
-            assert len(calls) > len(weights)  # every matrix, in each micro-batch's forward and backward
-    assert all(w.kept is None for w in weights)  # dropped by release
 
 
 def test_auto_weights_are_dense_when_they_fit_and_say_so(tiny_model, tmp_path, monkeypatch):
@@ -188,31 +158,6 @@ def test_reused_forward_and_skipped_reference_give_the_full_computation(tmp_path
     assert reused[1]["timing/reference_seconds"] > 0  # the adapter moved: the reference is a pass of its own again
     assert reused[1]["policy/kl"] > 0
 
-
-
-def test_a_rollout_run_makes_its_dense_copies_once_and_keeps_the_bits(tmp_path, tiny_model, monkeypatch, one_thread):
-    """Quantized weights in a rollout run: the dense copies are made at the first update and
-    held for the rest (making them again each update cost a 1.5B model 2-4 s on a Xeon, 13-15 s on an AMD EPYC VM), and every
-    number is what dequantizing per use gives (a memory budget of 0: no copies at all)."""
-    made = []
-    monkeypatch.setattr(common, "hold_copies", lambda *a: made.append(hold_copies(*a)) or made[-1])
-    runs = {}
-    for budget in ("all", "none"):
-        d = tmp_path / budget
-        d.mkdir()
-        cfg = write_config(d, tiny_model("llama", qtype=QT.Q8_0), updates=3, training='compute_dtype = "f32"', reward_name="length")
-        cfg.write_text(cfg.read_text().replace("[model]\n", '[model]\nweights = "quantized"\n').replace("kl_coefficient = 0.0", "kl_coefficient = 0.05").replace("threads = 2", "threads = 1"))
-        if budget == "none":
-            monkeypatch.setenv(HOST_MEMORY_ENV, "0")
-        grpo.run(load_config(cfg), SilentReporter())
-        runs[budget] = update_rows(d / "out/adapter.metrics.jsonl")
-    assert len(made) == 2  # one per run, not one per update
-    assert made[0].made == made[0].wanted > 0 and made[1].wanted == made[0].wanted and made[1].made == 0
-    assert len(runs["all"]) == len(runs["none"]) == 3
-    for a, b in zip(runs["all"], runs["none"]):
-        same = {k: v for k, v in a.items() if not k.startswith(("time", "timing/", "system/", "train/tokens_per_second", "sampler/"))}
-        assert same == {k: b[k] for k in same}
-    assert runs["all"][2]["policy/kl"] > 0  # the adapter moved: the later updates are not trivially the same
 
 
 def kept_for_backward(adapter, forward) -> int:

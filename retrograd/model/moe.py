@@ -12,7 +12,7 @@ Gradients flow into the weights (through the router's softmax) and through the e
 the pick itself is discrete, as in llama.cpp. The tokens are grouped by expert:
 each expert with tokens runs once over all of them, an expert nobody picked costs nothing,
 and a quantized stack dequantizes only that expert's rows per use (or is held dense, as
-any base weight, under `weights = "auto"`/"bf16"/"f32" or hold_copies).
+any base weight, under `weights = "auto"`/"bf16"/"f32").
 
 Ties: llama.cpp picks with ggml_argsort_top_k (on CPU std::sort, or in newer ggml
 std::partial_sort, of the gated values, descending); we sort stably, so between exactly equal

@@ -21,7 +21,6 @@ from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, w
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.merge import check_out, merge
 from retrograd.gguf.spec import read_spec
-from retrograd.kernels.frozen import Kept, dense_budget, hold_copies
 from retrograd.model.activation_memory import PASS_TOKENS_GLIBC, PASS_TOKENS_JEMALLOC, Merging, merging
 from retrograd.model.base import BaseModel, load_model
 from retrograd.model.lora import Adapter, attach_lora
@@ -65,7 +64,6 @@ class Setup:
     cpu: CpuShare = field(default_factory=lambda: CpuShare(torch.get_num_threads(), adaptive=False))
     detail: Callable[[str], None] = field(default=lambda text: None)  # run.verbose's lines; reporter.message when on
     message: Callable[[str], None] = field(default=lambda text: None)  # lines the run always shows (reporter.message)
-    dense_copies: Kept | None = None  # dense_for_updates
 
     def diverged(self, reason: str) -> TrainingDiverged:
         """The one way every recipe stops on a NaN loss or a runaway KL: the reason, and
@@ -73,20 +71,6 @@ class Setup:
         last = latest_checkpoint(self.cfg.checkpoint.directory) if self.cfg.checkpoint else None
         where = f"; the last good checkpoint is {last.path} (resume with --resume)" if last else "; no checkpoint was written"
         return TrainingDiverged(reason + where)
-
-    def dense_for_updates(self) -> Kept:
-        """The quantized base matrices dequantized once, as many as fit the memory budget at
-        the first update, and held for the run: every update's scoring passes and optimizer
-        steps share them. The same bits as dequantizing per use. Making them again each
-        update cost a 1.5B model 2-4 s per update on a Xeon and 13-15 s on an AMD EPYC VM
-        (5.3 GiB of fresh pages), and did not lower the peak, which an update reaches with
-        the copies made."""
-        if self.dense_copies is None:
-            t = self.model.transformer
-            self.dense_copies = hold_copies(t.frozen_weights(), t.compute_dtype, dense_budget(self.device).nbytes)
-            if self.dense_copies.wanted:
-                self.detail(self.dense_copies.describe())
-        return self.dense_copies
 
     def merging(self, spread: bool = False, *, rollouts: bool = False) -> Merging | None:
         """How small micro-batches merge into fewer passes in the same activation memory

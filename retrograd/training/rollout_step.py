@@ -10,9 +10,7 @@ pass with the adapter switched off, except while the adapter is still zero (B = 
 initialisation): then the reference is the policy, and the behaviour log-probs serve as
 both. Every log-prob is at the sampling temperature (LogprobOptions). It also measures how
 far llama.cpp's sampling log-probs are from torch's on the same tokens, and hands back
-torch's log-probs of every sample before the update (rollouts.jsonl). The whole update
-runs with the quantized base matrices held dense as far as memory allows, made at the first
-update and held for the run (Setup.dense_for_updates).
+torch's log-probs of every sample before the update (rollouts.jsonl).
 """
 
 from __future__ import annotations
@@ -93,7 +91,6 @@ class PolicyOptimizer:
         old: list[torch.Tensor | None] = [None] * len(samples)
         parts, per_step = [], []
         passes = self.passes(rollouts)
-        self.setup.dense_for_updates()
         later = sorted(set(range(len(samples))) - set(steps[0])) if self.reuse_first_forward else list(range(len(samples)))
         if len(steps) > 1 and later:
             for i, logp in zip(later, self._score([rollouts[i] for i in later], passes, timing, "behavior_scoring")):
