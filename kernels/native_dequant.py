@@ -9,9 +9,10 @@ are the same bits (tests compare both with gguf.quants).
 
 The library is compiled with the system C compiler (a fraction of a second) into
 $XDG_CACHE_HOME/retrograd (or ~/.cache/retrograd) for this machine's CPU, named by a hash of
-the source, the flags and the CPU's features, and written atomically so concurrent processes agree. Without a compiler, or with
-$RETROGRAD_NO_COMPILE set, `available()` is False and callers use the torch codecs. OpenMP
-binds to the libgomp torch has already loaded, so torch.set_num_threads governs it too.
+the source, the flags and the CPU's features, and written atomically so concurrent processes
+agree. Without a compiler, or with $RETROGRAD_NO_COMPILE set, `available()` is False and
+callers use the torch codecs. OpenMP binds to the libgomp torch has already loaded, so
+torch.set_num_threads governs it too. Each block type has a float32 and a bfloat16 output.
 """
 
 from __future__ import annotations
