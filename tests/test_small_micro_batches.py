@@ -1,9 +1,8 @@
 """Small micro-batches cost little, and the shortcuts that make them so compute what the
-long way computes: dense copies held for a run's updates (the same bits as dequantizing per use),
-`weights = "auto"` (dense when it fits the memory budget, the same bits as quantized), a
-group's prompt computed once for the micro-batches its completions are split over, the
-first epoch's forward reused as the behaviour log-probs and the reference skipped while
-the adapter is zero."""
+long way computes: `weights = "auto"` (dense when it fits the memory budget, the same bits
+as quantized), a group's prompt computed once for the micro-batches its completions are
+split over, the first epoch's forward reused as the behaviour log-probs and the reference
+skipped while the adapter is zero."""
 
 import json
 
