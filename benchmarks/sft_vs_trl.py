@@ -1,6 +1,6 @@
 """SFT speed and memory: `retrograd train` beside TRL's SFTTrainer on one identical CPU workload.
 
-    python benchmarks/sft_vs_trl.py                      # TRL, ours f32, bf16, bf16 + checkpointing (~6 min on 2 cores)
+    python benchmarks/sft_vs_trl.py                      # TRL; ours f32, bf16, bf16 + checkpointing, f32 and bf16 on the quantized blocks (~7 min on 2 cores)
     python benchmarks/sft_vs_trl.py --sides ours-bf16    # a subset; TRL is not needed without "trl"
     python benchmarks/sft_vs_trl.py --profile bf16       # torch.profiler over our first 4 steps, in this process
     python benchmarks/sft_vs_trl.py --model M.gguf       # another base (benchmarks/sized_models.py writes 0.5B/1.5B ones)
