@@ -1,40 +1,26 @@
-"""GGUF block dequantizers in C for the CPU, built once per machine and called through ctypes.
+"""GGUF block dequantizers in C for the CPU, built once per machine (kernels/native.py)
+and called through ctypes.
 
 torch.compile's kernels for the block types ran at 0.6-3.4 GiB/s of float32 output on our
 2-core EPYC, eager torch at 1.6-7 GiB/s; these plain loops at 3.3-17 GiB/s by type (Q4_0
 8-11), so a 1.5B Q4_0 base dequantizes in well under a second per pass instead of 2.5-4 s.
-Each loop does the float operations of `dequant.py`'s torch codec in the same order, and
-`-ffp-contract=off` keeps the compiler from fusing a multiply and an add, so the results
-are the same bits (tests compare both with gguf.quants).
-
-The library is compiled with the system C compiler (a fraction of a second) into
-$XDG_CACHE_HOME/retrograd (or ~/.cache/retrograd) for this machine's CPU, named by a hash of
-the source, the flags and the CPU's features, and written atomically so concurrent processes
-agree. Without a compiler, or with $RETROGRAD_NO_COMPILE set, `available()` is False and
-callers use the torch codecs. OpenMP binds to the libgomp torch has already loaded, so
-torch.set_num_threads governs it too. Each block type has a float32 and a bfloat16 output.
+Each loop does the float operations of `dequant.py`'s torch codec in the same order, so the
+results are the same bits (tests compare both with gguf.quants). Each block type has a
+float32 and a bfloat16 output. Without a compiler `available()` is False and callers use the
+torch codecs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import itertools
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-SOURCE = r"""
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
+from retrograd.kernels import native
+
+SOURCE = native.BF16 + r"""
 
 static inline float f16(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
@@ -70,14 +56,6 @@ static inline void k_scale(const uint8_t *t, int s, int *sc, int *mn) {
         *sc = (t[s + 4] & 0x0f) | ((t[s - 4] >> 6) << 4);
         *mn = (t[s + 4] >> 4) | ((t[s] >> 6) << 4);
     }
-}
-
-/* torch's float -> bfloat16: round to nearest even; NaN as torch's scalar conversion writes it */
-static inline uint16_t bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
 /* NAME(blocks, out, n, threads) writes float32 and NAME_bf16 bfloat16 (each value rounded
@@ -177,62 +155,16 @@ static inline void q6_k_block(const uint8_t *b, float *y) {
 DRIVERS(q6_k, 210, 256)
 """
 
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11")
-NATIVE = ("-march=native",)
 FUNCTIONS = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q5_0: "q5_0", QT.Q5_1: "q5_1",
              QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k"}
 OUTPUTS = {torch.float32: "", torch.bfloat16: "_bf16"}  # output dtype -> the function's suffix
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "retrograd"
-
-
-def _compiler() -> str | None:
-    if os.environ.get("RETROGRAD_NO_COMPILE"):
-        return None
-    return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
-
-
-def _cpu() -> str:
-    """What -march=native compiles for: the first CPU's model and feature flags (Linux), else
-    the platform's processor name. Part of the library's name, so a cache directory shared by
-    machines with other CPUs never hands one a library with instructions it lacks."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return "".join(line for line in itertools.islice(info, 40) if line.startswith(("model name", "flags")))
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    """Compiled for this CPU (-march=native: Q4_0's bfloat16 output 3-4x faster on an AVX-512
-    Xeon, the same bits), or for the architecture's baseline where the compiler refuses that."""
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS + NATIVE) + _cpu()).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"dequant-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        src, built = Path(tmp) / "dequant.c", Path(tmp) / lib.name
-        src.write_text(SOURCE)
-        try:
-            subprocess.run([compiler, *FLAGS, *NATIVE, "-o", str(built), str(src)], check=True, capture_output=True)
-        except subprocess.CalledProcessError:
-            subprocess.run([compiler, *FLAGS, "-o", str(built), str(src)], check=True, capture_output=True)
-        os.replace(built, lib)
-    return lib
-
-
 @cache
 def _library() -> ctypes.CDLL | None:
-    compiler = _compiler()
-    if compiler is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError):
-        return None  # no OpenMP headers, a read-only cache, ...: the torch codecs do the same work
+    lib = native.load("dequant", SOURCE)
+    if lib is None:
+        return None  # the torch codecs do the same work
     for name in FUNCTIONS.values():
         for suffix in OUTPUTS.values():
             fn = getattr(lib, name + suffix)

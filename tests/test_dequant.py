@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from retrograd.kernels import native_dequant
+from retrograd.kernels import native, native_dequant
 from retrograd.kernels.dequant import CODECS, dequantize
 from retrograd.kernels.frozen import FrozenWeight, frozen_linear
 
@@ -153,17 +153,17 @@ def test_a_library_is_built_per_cpu_and_falls_back_to_the_baseline(monkeypatch, 
     """-march=native libraries are named by the CPU's features, so a cache shared with another
     CPU builds its own; a compiler that refuses the native flags builds the baseline, same bits."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    compiler = native_dequant._compiler()
-    here = native_dequant._build(compiler)
-    monkeypatch.setattr(native_dequant, "_cpu", lambda: "model name: another CPU\nflags: fpu sse2\n")
-    monkeypatch.setattr(native_dequant, "NATIVE", ("-march=no-such-cpu",))
-    baseline = native_dequant._build(compiler)
+    cc = native.compiler()
+    here = native.build("dequant", native_dequant.SOURCE, cc)
+    monkeypatch.setattr(native, "cpu", lambda: "model name: another CPU\nflags: fpu sse2\n")
+    monkeypatch.setattr(native, "NATIVE", ("-march=no-such-cpu",))
+    baseline = native.build("dequant", native_dequant.SOURCE, cc)
     assert baseline != here and baseline.parent == here.parent == tmp_path / "retrograd"
     raw = torch.from_numpy(random_blocks(QT.Q4_0, 2048, np.random.default_rng(5)))
     outputs = []
     for lib in (here, baseline):
         native_dequant._library.cache_clear()
-        monkeypatch.setattr(native_dequant, "_build", lambda compiler, lib=lib: lib)
+        monkeypatch.setattr(native, "build", lambda stem, source, cc, lib=lib: lib)
         outputs.append([dequantize(raw, QT.Q4_0, (2048 * 32,), dtype) for dtype in (torch.float32, torch.bfloat16)])
     native_dequant._library.cache_clear()
     for a, b in zip(*outputs):
