@@ -100,7 +100,7 @@ def test_clamped_swiglu_backward_matches_autograd():
     assert (gate > 7).any() and (up.abs() > 7).any()
     ours = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
     ref = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
-    out = layers.GatedProduct.apply(*ours, "swiglu_oai", torch.float32)
+    out = layers.GatedProduct.apply(*ours, None, None, None, None, "swiglu_oai", torch.float32)
     g = ref[0].clamp(max=7.0)
     expected = g / (1 + torch.exp(-1.702 * g)) * (ref[1].clamp(-7.0, 7.0) + 1)
     assert torch.allclose(out, expected, atol=1e-5)

@@ -18,9 +18,9 @@ def activation_bytes(spec: ModelSpec, tokens: int, compute_bytes: int, lora_rank
     E, F, D, H, K = spec.n_embd, spec.n_ff, spec.head_dim, spec.n_head, spec.n_head_kv
     f, c = 4, compute_bytes
     row = min(row_length or tokens, tokens)
-    norms = 2 * (2 * E * f + E * c)  # two pre-norms: input, normalised output, cast copy
+    norms = 2 * (E * f + E * c)  # two pre-norms: the float32 input, and the output as the matmuls read it
     if spec.sandwich_norm:
-        norms += 2 * 2 * E * f
+        norms += 2 * E * f
     qk = (H + K) * D * f * (2 if spec.qk_norm else 1)  # float32 q/k around RoPE (and qk norms)
     attn = (H + 2 * K) * D * c + 2 * H * D * c + H * f  # SDPA q, k, v, output (+ its copy), lse
     if spec.attn_logit_softcap:  # softcapped_attention: q, k and v repeated to H heads, output, all float32,

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from retrograd.kernels import gated
 from retrograd.kernels.frozen import FrozenWeight, frozen_linear
 
 
@@ -30,6 +31,10 @@ class FrozenLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = frozen_linear(x, self.weight)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def split(self, x: torch.Tensor):
+        """As LoRALinear.split: the output, and no delta."""
+        return self(x), None, None
 
 
 # gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai; both constants fixed in its graph, not read from the file)
@@ -63,28 +68,74 @@ GATED_UP = {
 
 class GatedProduct(torch.autograd.Function):
     """act(gate) * up in float32 (a LoRA's delta on gate or up is below bf16's resolution
-    of them), rounded once to `dtype` for the down projection. Saves only gate and up, in
-    `dtype`: autograd would keep act(gate) as well, and float32 copies. In bf16 compute that
-    halves the largest activations a pass keeps (gate and up are 2-5x the model's width).
-    The backward runs in `dtype` too: the gradient arrives in it from the down projection
-    and leaves for the gate and up projections' bf16 backward matmuls, so float32 there
-    only refined what a LoRA's A and B gradients see, by bf16's 2^-9, at the price of
-    casting five [tokens, n_ff] tensors per layer (4-7% of a 0.5B model's pass)."""
+    of them), rounded once to `dtype` for the down projection. gate and up are projections
+    in `dtype`, each with an optional LoRA delta scale * (x A^T) B^T given as its factors
+    h = x A^T [T, r] and b = scale * B [F, r] (LoRALinear.split), added here in float32: one
+    node instead of a LoRA sum per projection feeding this one, whose float32 outputs and
+    gradients cost four casts of [T, F] per layer.
+
+    Saves only gate and up, in `dtype`: autograd would keep act(gate) as well, and float32
+    copies. In bf16 compute that halves the largest activations a pass keeps (gate and up
+    are 2-5x the model's width). The backward runs in `dtype` too: the gradient arrives in
+    it from the down projection and leaves for the gate and up projections' bf16 backward
+    matmuls. On the CPU, silu runs as one C pass each way (kernels/gated.py)."""
 
     @staticmethod
-    def forward(ctx, gate, up, act: str, dtype):
+    def forward(ctx, gate, up, gate_h, gate_b, up_h, up_b, act: str, dtype):
         ctx.act = act
-        ctx.save_for_backward(gate.to(dtype), up.to(dtype))
-        gate, up = gate.float(), up.float()
-        multiplier = GATED_UP[act][0](up) if act in GATED_UP else up
-        return (GATE_ACTIVATIONS[act][0](gate) * multiplier).to(dtype)
+        shape = gate.shape
+        gate, up = gate.flatten(0, -2), up.flatten(0, -2)
+        factors = [(h.flatten(0, -2), b) if h is not None else None for h, b in ((gate_h, gate_b), (up_h, up_b))]
+        ctx.fused = _fused(gate, up, act, dtype)
+        if ctx.fused:
+            keep = any(ctx.needs_input_grad)
+            kept_gate, kept_up, out = gated.silu_forward(gate, up, *(_transposed(f) for f in factors), keep=keep)
+        else:
+            gate, up = (torch.addmm(y.float(), f[0].float(), f[1].t()) if f else y.float() for y, f in zip((gate, up), factors))
+            kept_gate, kept_up = gate.to(dtype), up.to(dtype)
+            multiplier = GATED_UP[act][0](up) if act in GATED_UP else up
+            out = (GATE_ACTIVATIONS[act][0](gate) * multiplier).to(dtype)
+        ctx.save_for_backward(kept_gate, kept_up, gate_h, gate_b, up_h, up_b)
+        return out.view(*shape[:-1], -1)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        act, act_backward = GATE_ACTIVATIONS[ctx.act]
-        if ctx.act not in GATED_UP:
-            return act_backward(grad * up, gate), grad * act(gate), None, None
-        up_of, up_backward = GATED_UP[ctx.act]
-        return act_backward(grad * up_of(up), gate), up_backward(grad * act(gate), up), None, None
+        gate, up, gate_h, gate_b, up_h, up_b = ctx.saved_tensors
+        shape = grad.shape
+        grad = grad.flatten(0, -2)
+        factors = [(h.flatten(0, -2), b) if h is not None else None for h, b in ((gate_h, gate_b), (up_h, up_b))]
+        if ctx.fused:
+            d_gate, d_up, *low = gated.silu_backward(grad, gate, up, *(_transposed(f) for f in factors))
+            low = [(g[0].to(f[0].dtype), g[1].t()) if f else (None, None) for f, g in zip(factors, low)]
+        else:
+            act, act_backward = GATE_ACTIVATIONS[ctx.act]
+            if ctx.act in GATED_UP:
+                up_of, up_backward = GATED_UP[ctx.act]
+                d_gate, d_up = act_backward(grad * up_of(up), gate), up_backward(grad * act(gate), up)
+            else:
+                d_gate, d_up = act_backward(grad * up, gate), grad * act(gate)
+            low = [_factor_grads(d, f) for d, f in ((d_gate, factors[0]), (d_up, factors[1]))]
+        (d_gate_h, d_gate_b), (d_up_h, d_up_b) = (
+            (dh.view(*shape[:-1], -1) if dh is not None else None, db) for dh, db in low)
+        return (d_gate.view(shape), d_up.view(shape), d_gate_h, d_gate_b, d_up_h, d_up_b, None, None)
+
+
+def _fused(gate: torch.Tensor, up: torch.Tensor, act: str, dtype: torch.dtype) -> bool:
+    """Whether kernels/gated.py's C pass applies: silu, on the CPU, gate and up in the compute
+    dtype (bf16 or float32)."""
+    return (act == "silu" and dtype == gate.dtype == up.dtype and dtype in gated.SUFFIXES and gate.device.type == "cpu"
+            and gate.shape[-1] % 16 == 0 and gated.available())
+
+
+def _transposed(factors):
+    return None if factors is None else (factors[0], factors[1].t())
+
+
+def _factor_grads(d: torch.Tensor, factors):
+    """dL/dh = d b and dL/db = d^T h from the gradient d of gate or up (as LoRA's own backward)."""
+    if factors is None:
+        return None, None
+    h, b = factors
+    d = d.float()
+    return (d @ b).to(h.dtype), d.t() @ h.float()

@@ -128,6 +128,14 @@ class LoRALinear(nn.Module):
         a, b = (self.lora_a[expert[0]], self.lora_b[expert[0]]) if expert else (self.lora_a, self.lora_b)
         return _LoRASum.apply(y, x, a, b, self.scale)
 
+    def split(self, x: torch.Tensor):
+        """base(x) and the delta's factors, x A^T (in x's dtype) and scale * B (float32), for a
+        caller that adds the delta itself (GatedProduct); no factors while disabled."""
+        y = self.base(x)
+        if not self.enabled:
+            return y, None, None
+        return y, F.linear(x, self.lora_a.to(x.dtype)), self.lora_b * self.scale
+
 
 class _LoRASum(torch.autograd.Function):
     """y + scale * (x A^T) B^T, in float32 whatever y's dtype: in bf16/f16 compute a young

@@ -105,7 +105,8 @@ class MoEFeedForward(nn.Module):
         for expert, n in enumerate(counts):
             if n:
                 xe = h.index_select(0, tokens[start : start + n])
-                gated = GatedProduct.apply(self.ffn_gate_exps(xe, expert), self.ffn_up_exps(xe, expert), self.act, compute_dtype)
+                gated = GatedProduct.apply(self.ffn_gate_exps(xe, expert), self.ffn_up_exps(xe, expert), None, None, None, None,
+                                           self.act, compute_dtype)
                 outputs.append(self.ffn_down_exps(gated, expert).float())
                 start += n
         per_slot = torch.cat(outputs).index_select(0, by_expert.argsort())  # back in slot order [T * k, E]

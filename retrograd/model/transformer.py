@@ -362,8 +362,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x, compute_dtype):
         h = x.to(compute_dtype)
-        gate, up = self.ffn_up(h).chunk(2, dim=-1) if self.ffn_gate is None else (self.ffn_gate(h), self.ffn_up(h))
-        return self.ffn_down(GatedProduct.apply(gate, up, self.act, compute_dtype))
+        if self.ffn_gate is None:  # one projection, its LoRA (if any) summed there
+            gate, up = self.ffn_up(h).chunk(2, dim=-1)
+            return self.ffn_down(GatedProduct.apply(gate, up, None, None, None, None, self.act, compute_dtype))
+        gate, gate_h, gate_b = self.ffn_gate.split(h)
+        up, up_h, up_b = self.ffn_up.split(h)
+        return self.ffn_down(GatedProduct.apply(gate, up, gate_h, gate_b, up_h, up_b, self.act, compute_dtype))
 
 
 class Block(nn.Module):

@@ -1,0 +1,237 @@
+"""An FFN's gated product silu(gate) * up, fused with the LoRA deltas on gate and up, in C for
+the CPU (built by kernels/native.py), for bf16 and for float32 compute.
+
+In torch (bf16) the forward is nine passes over [tokens, n_ff] tensors per layer (each delta added
+into a float32 copy of its projection, both rounded for backward, silu, the product, its
+rounding) and the backward about ten (the product rule in four bf16 passes, autograd's
+float32 casts of the two gradients and back, the LoRA factors' gradients from float32
+copies). Each pass is memory-bound: on a 0.5B llama they took over a quarter of a bf16 pass.
+Here each direction is one pass over the rows, the values in registers from the bf16
+projections to the bf16 outputs, and the backward also sums the factors' gradients from the
+float32 derivatives it has just computed (torch's path rounds them to bf16 first).
+
+A delta is scale * (x A^T) B^T: the caller passes h = x A^T [T, r] and bt = (scale B)^T [r, F]
+in float32, and gets dL/dh and dL/dbt back. The math is `GatedProduct`'s (model/layers.py)
+in float32, with exp by a polynomial good to a few ulp (torch's own vector exp differs by as
+much): results agree with the torch path to bf16's rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import string
+from functools import cache
+
+import torch
+
+from retrograd.kernels import native
+
+COMMON = native.BF16 + r"""
+#include <omp.h>
+
+#define BLOCK 128  /* columns at a time: float32 values of a row's block stay in L1 */
+#define ROWS 8     /* rows per backward task: the factors' gradient sums are loaded once per ROWS rows */
+
+/* exp(x) within a few ulp for |x| < 87, Cephes' reduction and polynomial; vectorizes */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round(x / ln 2) */
+    float r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline float sigmoid(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
+
+/* The factors' gradients from the float32 derivatives d of m rows' block: dbt[k, f] +=
+   sum_i d[i, f] h[i, k] (this thread's sums, one load and store per m rows), dh[i, k] +=
+   sum_f d[i, f] bt[k, f] */
+static inline void low_rank_grads(const float (*d)[BLOCK], int64_t m, const float *h, const float *bt,
+                                  float *dbt, float *dh, int64_t r, int64_t F, int64_t n) {
+    for (int64_t k = 0; k < r; k++) {
+        const float *b = bt + k * F;
+        float *db = dbt + k * F;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            float s[16];
+            #pragma omp simd
+            for (int j = 0; j < 16; j++) s[j] = db[j0 + j];
+            for (int64_t i = 0; i < m; i++) {
+                const float hk = h[i * r + k];
+                #pragma omp simd
+                for (int j = 0; j < 16; j++) s[j] += d[i][j0 + j] * hk;
+            }
+            #pragma omp simd
+            for (int j = 0; j < 16; j++) db[j0 + j] = s[j];
+        }
+        for (int64_t i = 0; i < m; i++) {
+            float acc = 0.0f;
+            #pragma omp simd reduction(+:acc)
+            for (int64_t j = 0; j < n; j++) acc += d[i][j] * b[j];
+            dh[i * r + k] += acc;
+        }
+    }
+}
+
+static inline float f32_in(float x) { return x; }
+static inline float f32_out(float x) { return x; }
+"""
+
+# one forward and backward per element type: $elem in memory, $load/$store to and from float32
+TEMPLATE = string.Template(r"""
+/* y + h . bt[:, block] for one row's block, into v; chunks of 16 columns keep the sums in registers */
+static inline void with_delta$suffix(float *v, const $elem *y, const float *h, const float *bt,
+                              int64_t r, int64_t F, int64_t n) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        float d[16] = {0};
+        for (int64_t k = 0; k < r; k++) {
+            const float hk = h[k], *b = bt + k * F + j0;
+            #pragma omp simd
+            for (int j = 0; j < 16; j++) d[j] += hk * b[j];
+        }
+        #pragma omp simd
+        for (int j = 0; j < 16; j++) v[j0 + j] = $load(y[j0 + j]) + d[j];
+    }
+}
+
+/* gate = yg + delta_g, up = yu + delta_u in float32; writes gate and up (what backward reads;
+   NULL: not needed) and silu(gate) * up, each rounded once to $elem. F is a multiple of 16. A task is a row,
+   read and written front to back (column blocks over every row thrash the TLB when the
+   tensors come from memory, not cache); bgt and but stay in L2. */
+void silu_forward$suffix(const $elem *yg, const $elem *yu,
+                  const float *hg, const float *bgt, int64_t rg, const float *hu, const float *but, int64_t ru,
+                  $elem *gate, $elem *up, $elem *out, int64_t T, int64_t F, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if(T * F >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t f0 = 0; f0 < F; f0 += BLOCK) {
+            const int64_t n = F - f0 < BLOCK ? F - f0 : BLOCK, at = t * F + f0;
+            float g[BLOCK], u[BLOCK];
+            with_delta$suffix(g, yg + at, hg + t * rg, bgt + f0, rg, F, n);
+            with_delta$suffix(u, yu + at, hu + t * ru, but + f0, ru, F, n);
+            if (gate) {
+                #pragma omp simd
+                for (int64_t j = 0; j < n; j++) { gate[at + j] = $store(g[j]); up[at + j] = $store(u[j]); }
+            }
+            #pragma omp simd
+            for (int64_t j = 0; j < n; j++) out[at + j] = $store(g[j] * sigmoid(g[j]) * u[j]);
+        }
+    }
+}
+
+/* From dL/dout, gate and up: writes dL/dgate, dL/dup (in $elem) and, for each delta,
+   per-thread partial sums of dL/dbt [threads, r, F] and of dL/dh [threads, T, r] (zeroed by
+   the caller). F is a multiple of 16. A task is a group of ROWS rows, walked a column block
+   at a time. */
+void silu_backward$suffix(const $elem *grad, const $elem *gate, const $elem *up, $elem *dgate, $elem *dup,
+                   const float *hg, const float *bgt, float *dbgt, float *dhg, int64_t rg,
+                   const float *hu, const float *but, float *dbut, float *dhu, int64_t ru,
+                   int64_t T, int64_t F, int threads) {
+    const int64_t groups = (T + ROWS - 1) / ROWS;
+    #pragma omp parallel num_threads(threads) if(T * F >= 65536)
+    {
+        const int id = omp_get_thread_num();
+        float *my_dbgt = dbgt + id * rg * F, *my_dhg = dhg + id * T * rg;
+        float *my_dbut = dbut + id * ru * F, *my_dhu = dhu + id * T * ru;
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < groups; q++) {
+            const int64_t t0 = q * ROWS, m = T - t0 < ROWS ? T - t0 : ROWS;
+            for (int64_t f0 = 0; f0 < F; f0 += BLOCK) {
+                const int64_t n = F - f0 < BLOCK ? F - f0 : BLOCK;
+                float dg[ROWS][BLOCK], du[ROWS][BLOCK];
+                for (int64_t i = 0; i < m; i++) {
+                    const int64_t at = (t0 + i) * F + f0;
+                    #pragma omp simd
+                    for (int64_t j = 0; j < n; j++) {
+                        float d = $load(grad[at + j]), g = $load(gate[at + j]), u = $load(up[at + j]);
+                        float s = sigmoid(g);
+                        du[i][j] = d * (g * s);
+                        dg[i][j] = d * u * (s * (1.0f + g * (1.0f - s)));
+                        dgate[at + j] = $store(dg[i][j]);
+                        dup[at + j] = $store(du[i][j]);
+                    }
+                }
+                low_rank_grads(dg, m, hg + t0 * rg, bgt + f0, my_dbgt + f0, my_dhg + t0 * rg, rg, F, n);
+                low_rank_grads(du, m, hu + t0 * ru, but + f0, my_dbut + f0, my_dhu + t0 * ru, ru, F, n);
+            }
+        }
+    }
+}
+""")
+
+TYPES = {torch.bfloat16: ("uint16_t", "from_bf16", "bf16"), torch.float32: ("float", "f32_in", "f32_out")}
+SUFFIXES = {torch.bfloat16: "_bf16", torch.float32: "_f32"}
+SOURCE = COMMON + "".join(TEMPLATE.substitute(suffix=SUFFIXES[t], elem=e, load=load, store=store)
+                          for t, (e, load, store) in TYPES.items())
+
+P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = native.load("gated", SOURCE)
+    for suffix in SUFFIXES.values() if lib is not None else ():
+        forward, backward = getattr(lib, "silu_forward" + suffix), getattr(lib, "silu_backward" + suffix)
+        forward.argtypes = [P, P, P, P, I64, P, P, I64, P, P, P, I64, I64, INT]
+        backward.argtypes = [P, P, P, P, P, P, P, P, P, I64, P, P, P, P, I64, I64, I64, INT]
+        forward.restype = backward.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the library is built (building it now if not: a model load does this, so the
+    one-time build never lands inside a timed first step)."""
+    return _library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _factors(low_rank: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(h [T, r], bt [r, F]) -> contiguous float32 copies and r; None -> no delta."""
+    if low_rank is None:
+        return None, None, 0
+    h, bt = (x.float().contiguous() for x in low_rank)
+    return h, bt, h.shape[1]
+
+
+def silu_forward(yg: torch.Tensor, yu: torch.Tensor, low_rank_g, low_rank_u, keep: bool):
+    """yg, yu: [T, F] in bf16 or float32; low_rank_*: (h [T, r], bt [r, F]) or None -> (gate,
+    up, out) in yg's dtype, gate and up (with their deltas) None unless `keep` (for backward)."""
+    T, F = yg.shape
+    yg, yu = yg.contiguous(), yu.contiguous()  # held here: a temporary's pointer would dangle
+    hg, bgt, rg = _factors(low_rank_g)
+    hu, but, ru = _factors(low_rank_u)
+    gate, up = (torch.empty_like(yg), torch.empty_like(yu)) if keep else (None, None)
+    out = torch.empty_like(yg)
+    getattr(_library(), "silu_forward" + SUFFIXES[yg.dtype])(
+        yg.data_ptr(), yu.data_ptr(), _ptr(hg), _ptr(bgt), rg, _ptr(hu), _ptr(but), ru,
+        _ptr(gate), _ptr(up), out.data_ptr(), T, F, torch.get_num_threads())
+    return gate, up, out
+
+
+def silu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, low_rank_g, low_rank_u):
+    """dL/dout, gate, up: [T, F] in one dtype -> dL/dgate, dL/dup (in it) and, per delta given,
+    (dL/dh [T, r], dL/dbt [r, F]) in float32 (else None)."""
+    T, F = gate.shape
+    threads = torch.get_num_threads()
+    grad = grad.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    factors = [_factors(low_rank_g), _factors(low_rank_u)]
+    sums = [(torch.zeros(threads, T, r), torch.zeros(threads, r, F)) if r else (None, None) for _, _, r in factors]
+    (hg, bgt, rg), (hu, but, ru) = factors
+    (dhg, dbgt), (dhu, dbut) = sums
+    getattr(_library(), "silu_backward" + SUFFIXES[gate.dtype])(
+        grad.data_ptr(), gate.data_ptr(), up.data_ptr(), dgate.data_ptr(), dup.data_ptr(),
+        _ptr(hg), _ptr(bgt), _ptr(dbgt), _ptr(dhg), rg, _ptr(hu), _ptr(but), _ptr(dbut), _ptr(dhu), ru, T, F, threads)
+    return dgate, dup, *((dh.sum(0), dbt.sum(0)) if dh is not None else None for dh, dbt in sums)
