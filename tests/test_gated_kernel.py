@@ -61,10 +61,12 @@ def test_as_accurate_as_the_torch_path(T, F, r, dtype, monkeypatch):
     ours, theirs = run(y, h, b, grad, True, monkeypatch), run(y, h, b, grad, False, monkeypatch)
     names = ["out", "gate", "up", "h_gate", "h_up", "b_gate", "b_up"]
     bound = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    # float32 sums in another order (this loop's, the BLAS's on this CPU) differ by a few roundings
+    slack = bound / 100 if dtype == torch.bfloat16 else 8 * 2**-24
     for name, a, t, x in zip(names, ours, theirs, ref):
         assert a.dtype == t.dtype and a.shape == t.shape, name
         assert error(a, x) < bound, (name, error(a, x))
-        assert error(a, x) <= 1.25 * error(t, x) + bound / 100, (name, error(a, x), error(t, x))
+        assert error(a, x) <= 1.25 * error(t, x) + slack, (name, error(a, x), error(t, x))
 
 
 def test_one_delta_or_none(monkeypatch):
