@@ -2,19 +2,24 @@
 prompt prefill per group, stop reasons, log-probs against an independent llama.cpp eval,
 the live adapter, multi-turn cache reuse and the one-line errors."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
+from gguf_factory import write_tiny_model
+from llama_ref import llama_logits
 from lora_files import randomise_b
 
 import retrograd
 from retrograd.errors import DataError
-from retrograd.gguf.adapter import adapter_tensors, write_adapter
+from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, read_adapter, write_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.model.lora import attach_lora
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.runtime.llamacpp import C, llama_cpp
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
+from retrograd.sampler.live_adapter import padded_for_llama
 
 N_CTX = 128
 
@@ -135,19 +140,14 @@ def test_live_adapter_matches_llama_with_the_same_file_and_clears_back_to_base(
 ):
     prompt = chat("Give me a word.")
     request = [GroupRequest(prompt, [9, 10], Sampling(6))]
-    f = GGUFFile(smollm2)
-    lora_file = write_adapter(
-        tmp_path / "a.gguf",
-        adapter_tensors(trained_adapter),
-        arch=f.get("general.architecture"),
-        alpha=trained_adapter.alpha,
-        base_shapes={n: t.shape for n, t in f.tensors.items()},
-    )
     with sampler(smollm2) as s:
         base = s.generate(request)
         folder = s.adapter.folder
         timing = s.set_adapter(trained_adapter)
         assert timing.total_s > 0 and folder.is_dir()
+        live = read_adapter(s.adapter.file)  # rank 8 padded to 16: test_the_rank_padded_file_gives_llama_the_same_model
+        assert (live.rank, live.alpha) == (16, 2 * trained_adapter.alpha)
+        lora_file = shutil.copy(s.adapter.file, tmp_path / "live.gguf")
         tuned = s.generate(request)
         assert s.stats.prefilled == 2 * len(prompt)  # the weight change dropped the cached prompt
         for b, t in zip(base[0], tuned[0]):
@@ -166,14 +166,15 @@ def test_a_refresh_with_the_same_layout_rewrites_the_file_in_place_and_samples_t
     smollm2, chat, trained_adapter, tmp_path
 ):
     """The second refresh only overwrites the tensor data of the file the first wrote: the
-    bytes are those of a fresh write of the new weights, and the samples those of a sampler
-    that only ever saw the new weights."""
+    bytes are those of a fresh write of the new weights (rank-padded), and the samples those
+    of a sampler that only ever saw the new weights."""
     request = [GroupRequest(chat("Give me a word."), [9, 10], Sampling(6))]
     first = adapter_tensors(trained_adapter)
-    second = {name: type(w)(w.a, w.b * -1.5) for name, w in first.items()}
+    second = {name: type(w)(w.a * 0.5, w.b * -1.5) for name, w in first.items()}
     f = GGUFFile(smollm2)
-    fresh = write_adapter(tmp_path / "second.gguf", second, arch=f.get("general.architecture"),
-                          alpha=trained_adapter.alpha, base_shapes={n: t.shape for n, t in f.tensors.items()})
+    padded, alpha = padded_for_llama(second, trained_adapter.alpha)
+    fresh = write_adapter(tmp_path / "second.gguf", padded, arch=f.get("general.architecture"), alpha=alpha,
+                          base_shapes={n: t.shape for n, t in f.tensors.items()})
     with sampler(smollm2) as s:
         s.set_adapter(first, alpha=trained_adapter.alpha)
         inode = s.adapter.file.stat().st_ino
@@ -184,6 +185,50 @@ def test_a_refresh_with_the_same_layout_rewrites_the_file_in_place_and_samples_t
     with sampler(smollm2) as s:
         s.set_adapter(second, alpha=trained_adapter.alpha)
         assert outcome(s.generate(request)) == after
+
+
+def test_the_rank_padded_file_gives_llama_the_same_model(tmp_path):
+    """On a float32 base, where llama.cpp and torch agree to 1e-5, the padded adapter and the
+    exported one give the same logits as ours. (On a quantized base, llama.cpp quantizes the
+    activations, so any float32 rounding change, such as the GEMM's summation order, can flip
+    a rounding step: the two files' logits differ there as much as llama.cpp differs from us.)"""
+    base = write_tiny_model(tmp_path / "tiny.gguf", "llama")
+    model = retrograd.load_model(base)
+    adapter = attach_lora(model.transformer, ["auto"], rank=8, alpha=16.0, seed=0)
+    randomise_b(adapter, 0.05)
+    tensors, shapes = adapter_tensors(adapter), {n: t.shape for n, t in GGUFFile(base).tensors.items()}
+    exported = write_adapter(tmp_path / "export.gguf", tensors, arch="llama", alpha=16.0, base_shapes=shapes)
+    padded, alpha = padded_for_llama(tensors, 16.0)
+    live = write_adapter(tmp_path / "live.gguf", padded, arch="llama", alpha=alpha, base_shapes=shapes)
+    ids = list(range(5, 60))
+    with torch.no_grad():
+        ours = model.logits(ids)
+        with adapter.disabled():
+            assert (model.logits(ids) - ours).abs().max() > 0.1  # the adapter does something
+    for file in (exported, live):
+        assert (llama_logits(base, ids, lora_path=file) - ours).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("rank, padded", [(8, 16), (3, 16), (16, 16), (20, 32)])
+def test_padding_the_rank_adds_zeros_and_keeps_alpha_over_r(rank, padded):
+    rng = np.random.default_rng(rank)
+
+    def normal(shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    tensors = {
+        "blk.0.attn_q.weight": LoRAWeights(normal((rank, 12)), normal((10, rank))),
+        "blk.0.ffn_up_exps.weight": LoRAWeights(normal((4, rank, 12)), normal((4, 7, rank))),
+    }
+    out, alpha = padded_for_llama(tensors, 2.0 * rank)
+    assert alpha / padded == 2.0
+    for name, w in tensors.items():
+        a, b = out[name].a, out[name].b
+        assert a.shape[-2] == b.shape[-1] == padded and a.dtype == b.dtype == np.float32
+        np.testing.assert_array_equal(a[..., :rank, :], w.a)
+        np.testing.assert_array_equal(b[..., :rank], w.b)
+        assert not a[..., rank:, :].any() and not b[..., rank:].any()
+        np.testing.assert_allclose(b @ a, w.b @ w.a, rtol=1e-5, atol=1e-5)
 
 
 def test_conversation_prefills_only_new_tokens_and_matches_a_fresh_prefill(smollm2, chat):
