@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from retrograd.errors import GGUFError
-from retrograd.runtime.llamacpp import C, gpu_devices
+from retrograd.gguf.file import GGUFFile
+from retrograd.runtime.llamacpp import C, gpu_devices, load_llama_model
 
 # kv_dtype -> (ggml type of K and V, flash attention mode)
 KV_MODES = {
@@ -77,7 +78,7 @@ class Engine:
                  n_outputs: int = 0):
         self.path = Path(path)
         self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
-        self.model = C.llama_model_load_from_file(str(self.path).encode(), C.llama_model_default_params())
+        self.model = load_llama_model(self.path, GGUFFile(self.path).tensors)
         if not self.model:
             raise GGUFError(f"{self.path}: llama.cpp cannot load this model")
         self.placement = Placement.for_model(C.llama_model_n_layer(self.model))

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from retrograd.errors import ConfigError, GGUFError
+from retrograd.gguf.file import GGUFFile
 from retrograd.kernels.chunked_logprobs import LOGPROB_PATHS, LogprobStats
 from retrograd.model.base import BaseModel, load_model
 from retrograd.model.transformer import Transformer
-from retrograd.runtime.llamacpp import C
+from retrograd.runtime.llamacpp import C, load_llama_model
 from retrograd.training.batches import Group, LogprobOptions, PackedBatch, pack
 from retrograd.training.scoring import Rollout, plan
 
@@ -157,7 +158,7 @@ class LlamaCppTeacher:
     def __init__(self, path: Path, options: TeacherOptions):
         self.path = Path(path)
         self.temperature = options.logprobs.temperature
-        self.model = C.llama_model_load_from_file(str(self.path).encode(), C.llama_model_default_params())
+        self.model = load_llama_model(self.path, GGUFFile(self.path).tensors)
         if not self.model:
             raise GGUFError(f"{self.path}: llama.cpp cannot load this teacher model")
         self.n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(self.model))
