@@ -42,7 +42,7 @@ from retrograd.model.lora import attach_lora
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.runtime.bundled import default_model_path
 from retrograd.runtime.device import cpu_name
-from retrograd.runtime.llamacpp import C
+from retrograd.runtime.llamacpp import C, load_llama_model
 from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
 
 QUESTIONS = ("Write a short story about a lighthouse keeper.", "Explain how rain forms, step by step.")
@@ -60,11 +60,13 @@ def trained_adapter(path, rank: int):
 
 
 class RawLlama:
-    """llama.cpp batched decode with nothing of ours in the loop: the baseline."""
+    """llama.cpp batched decode with nothing of ours in the loop: the baseline. Its weights are
+    placed as the sampler's are (load_llama_model: CPU_REPACK on an AMX build), so a ratio
+    measures the sampler, not the placement."""
 
     def __init__(self, path: Path, *, n_seq: int, n_ctx: int, n_threads: int):
         self.n_seq = n_seq
-        self.model = C.llama_model_load_from_file(str(path).encode(), C.llama_model_default_params())
+        self.model = load_llama_model(path, GGUFFile(path).tensors)
         self.vocab = C.llama_model_get_vocab(self.model)
         params = C.llama_context_default_params()
         params.n_ctx, params.n_seq_max = n_ctx * n_seq, n_seq
