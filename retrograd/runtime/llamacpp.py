@@ -19,7 +19,7 @@
   dies with SIGSEGV on ldtilecfg, so plain `import llama_cpp` users must import this first.
 - Turning the extra buffers off also turns off the other one, CPU_REPACK, whose interleaved
   Q4_0/Q4_K layout and GEMM decode 16 sequences of a 0.5B Q4_0 model in 91 ms instead of
-  137. `load_model` puts those weights back there by name (a tensor buffer override); it
+  137. `load_llama_model` puts those weights back there by name (a tensor buffer override); it
   names only the weights CPU_REPACK has a layout for, since llama.cpp dereferences a missing
   layout while loading any other tensor placed there.
 """
@@ -112,8 +112,10 @@ def _repack_buffer_type() -> int | None:
     libggml.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
     libggml.ggml_backend_buft_name.restype, libggml.ggml_backend_buft_name.argtypes = ctypes.c_char_p, [vp]
     cpu = libggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not cpu:
+        return None
     address = libggml.ggml_backend_reg_get_proc_address(libggml.ggml_backend_dev_backend_reg(cpu), b"ggml_backend_dev_get_extra_bufts")
-    if not cpu or not address:
+    if not address:
         return None
     extra = ctypes.CFUNCTYPE(ctypes.POINTER(vp), vp)(address)(cpu)
     i = 0

@@ -10,7 +10,7 @@ The file differs from an export in one way: its rank is padded with zeros to a m
 RANK_MULTIPLE, and alpha scaled to keep alpha / r. llama.cpp multiplies B [n_out, r] by
 A x with its f32 GEMM (llamafile's sgemm) only when r is a multiple of the SIMD width (16
 floats on AVX512); below that, every output element is its own length-r dot product. At
-rank 8 that made the adapter cost 15% of SmolLM2's batched decode; padded to 16, 1-7%.
+rank 8 that made the adapter cost 15% of SmolLM2's batched decode; padded to 16, 4-7%.
 """
 
 from __future__ import annotations
