@@ -18,8 +18,8 @@ from retrograd.gguf.file import GGUFFile
 from retrograd.model.lora import attach_lora
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.runtime.llamacpp import C, llama_cpp
-from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling
-from retrograd.sampler.live_adapter import padded_for_llama
+from retrograd.sampler import GroupRequest, Sampler, SamplerOptions, Sampling, live_adapter
+from retrograd.sampler.live_adapter import RANK_MULTIPLE, padded_for_llama
 
 N_CTX = 128
 
@@ -145,8 +145,9 @@ def test_live_adapter_matches_llama_with_the_same_file_and_clears_back_to_base(
         folder = s.adapter.folder
         timing = s.set_adapter(trained_adapter)
         assert timing.total_s > 0 and folder.is_dir()
-        live = read_adapter(s.adapter.file)  # rank 8 padded to 16: test_the_rank_padded_file_gives_llama_the_same_model
-        assert (live.rank, live.alpha) == (16, 2 * trained_adapter.alpha)
+        live = read_adapter(s.adapter.file)  # rank-padded: test_the_rank_padded_file_gives_llama_the_same_model
+        padded = -(-8 // RANK_MULTIPLE) * RANK_MULTIPLE
+        assert live.rank == padded and live.alpha == trained_adapter.alpha * padded / 8
         lora_file = shutil.copy(s.adapter.file, tmp_path / "live.gguf")
         tuned = s.generate(request)
         assert s.stats.prefilled == 2 * len(prompt)  # the weight change dropped the cached prompt
@@ -187,7 +188,7 @@ def test_a_refresh_with_the_same_layout_rewrites_the_file_in_place_and_samples_t
         assert outcome(s.generate(request)) == after
 
 
-def test_the_rank_padded_file_gives_llama_the_same_model(tmp_path):
+def test_the_rank_padded_file_gives_llama_the_same_model(tmp_path, monkeypatch):
     """On a float32 base, where llama.cpp and torch agree to 1e-5, the padded adapter and the
     exported one give the same logits as ours. (On a quantized base, llama.cpp quantizes the
     activations, so any float32 rounding change, such as the GEMM's summation order, can flip
@@ -198,7 +199,9 @@ def test_the_rank_padded_file_gives_llama_the_same_model(tmp_path):
     randomise_b(adapter, 0.05)
     tensors, shapes = adapter_tensors(adapter), {n: t.shape for n, t in GGUFFile(base).tensors.items()}
     exported = write_adapter(tmp_path / "export.gguf", tensors, arch="llama", alpha=16.0, base_shapes=shapes)
+    monkeypatch.setattr(live_adapter, "RANK_MULTIPLE", 16)  # padded on any CPU
     padded, alpha = padded_for_llama(tensors, 16.0)
+    assert alpha == 32.0
     live = write_adapter(tmp_path / "live.gguf", padded, arch="llama", alpha=alpha, base_shapes=shapes)
     ids = list(range(5, 60))
     with torch.no_grad():
@@ -210,7 +213,8 @@ def test_the_rank_padded_file_gives_llama_the_same_model(tmp_path):
 
 
 @pytest.mark.parametrize("rank, padded", [(8, 16), (3, 16), (16, 16), (20, 32)])
-def test_padding_the_rank_adds_zeros_and_keeps_alpha_over_r(rank, padded):
+def test_padding_the_rank_adds_zeros_and_keeps_alpha_over_r(rank, padded, monkeypatch):
+    monkeypatch.setattr(live_adapter, "RANK_MULTIPLE", 16)  # AVX512's; AVX2 needs 8
     rng = np.random.default_rng(rank)
 
     def normal(shape):

@@ -9,8 +9,9 @@ when the sampler closes (or the process exits).
 The file differs from an export in one way: its rank is padded with zeros to a multiple of
 RANK_MULTIPLE, and alpha scaled to keep alpha / r. llama.cpp multiplies B [n_out, r] by
 A x with its f32 GEMM (llamafile's sgemm) only when r is a multiple of the SIMD width (16
-floats on AVX512); below that, every output element is its own length-r dot product. At
-rank 8 that made the adapter cost 15% of SmolLM2's batched decode; padded to 16, 4-7%.
+floats on AVX512, 8 on AVX2); below that, every output element is its own length-r dot
+product. On AVX512, rank 8 made the adapter cost 15% of SmolLM2's batched decode; padded to
+16, 4-7%.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import numpy as np
 from retrograd.errors import GGUFError
 from retrograd.gguf.adapter import LoRAWeights, adapter_tensors, check_shapes, write_adapter
 from retrograd.gguf.file import GGUFFile
+from retrograd.runtime.llamacpp import C
 from retrograd.sampler.engine import Engine
 
 SHM = Path("/dev/shm")
-RANK_MULTIPLE = 16
+RANK_MULTIPLE = 16 if b"AVX512 = 1" in C.llama_print_system_info() else 8
 
 
 @dataclass(frozen=True)
