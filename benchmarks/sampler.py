@@ -66,7 +66,7 @@ class RawLlama:
 
     def __init__(self, path: Path, *, n_seq: int, n_ctx: int, n_threads: int):
         self.n_seq = n_seq
-        self.model = load_llama_model(path, GGUFFile(path).tensors)
+        self.model = load_llama_model(path, lambda: GGUFFile(path).tensors)
         self.vocab = C.llama_model_get_vocab(self.model)
         params = C.llama_context_default_params()
         params.n_ctx, params.n_seq_max = n_ctx * n_seq, n_seq

@@ -31,7 +31,7 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import llama_cpp
@@ -129,12 +129,13 @@ def _repack_buffer_type() -> int | None:
 _REPACK = _repack_buffer_type() if AMX_BUILD else None
 
 
-def load_llama_model(path: Path, tensors: Mapping):
-    """llama_model_load_from_file with this module's defaults. tensors: the file's tensor
-    table (retrograd.gguf.file.GGUFFile.tensors); on an AMX build, the weights CPU_REPACK can
-    hold go there (see the module's docstring). NULL when llama.cpp refuses the file."""
+def load_llama_model(path: Path, read_tensors: Callable[[], Mapping]):
+    """llama_model_load_from_file with this module's defaults. read_tensors: the file's tensor
+    table (retrograd.gguf.file.GGUFFile.tensors), read only on an AMX build, where the weights
+    CPU_REPACK can hold go there (see the module's docstring). NULL when llama.cpp refuses
+    the file."""
     params = C.llama_model_default_params()
-    names = [name for name, t in tensors.items()
+    names = [name for name, t in read_tensors().items()
              if _MATMUL_WEIGHT.fullmatch(name) and t.qtype.name in _REPACKED_TYPES
              and len(t.shape) == 2 and t.shape[0] % 8 == 0] if _REPACK is not None else []
     keep = None

@@ -78,7 +78,7 @@ class Engine:
                  n_outputs: int = 0):
         self.path = Path(path)
         self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
-        self.model = load_llama_model(self.path, GGUFFile(self.path).tensors)
+        self.model = load_llama_model(self.path, lambda: GGUFFile(self.path).tensors)
         if not self.model:
             raise GGUFError(f"{self.path}: llama.cpp cannot load this model")
         self.placement = Placement.for_model(C.llama_model_n_layer(self.model))

@@ -158,7 +158,7 @@ class LlamaCppTeacher:
     def __init__(self, path: Path, options: TeacherOptions):
         self.path = Path(path)
         self.temperature = options.logprobs.temperature
-        self.model = load_llama_model(self.path, GGUFFile(self.path).tensors)
+        self.model = load_llama_model(self.path, lambda: GGUFFile(self.path).tensors)
         if not self.model:
             raise GGUFError(f"{self.path}: llama.cpp cannot load this teacher model")
         self.n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(self.model))
