@@ -189,7 +189,7 @@ def test_a_refresh_with_the_same_layout_rewrites_the_file_in_place_and_samples_t
 
 
 def test_the_rank_padded_file_gives_llama_the_same_model(tmp_path, monkeypatch):
-    """On a float32 base, where llama.cpp and torch agree to 1e-5, the padded adapter and the
+    """On a float32 base, where llama.cpp and torch agree to about 1e-5, the padded adapter and the
     exported one give the same logits as ours. (On a quantized base, llama.cpp quantizes the
     activations, so any float32 rounding change, such as the GEMM's summation order, can flip
     a rounding step: the two files' logits differ there as much as llama.cpp differs from us.)"""
@@ -208,8 +208,8 @@ def test_the_rank_padded_file_gives_llama_the_same_model(tmp_path, monkeypatch):
         ours = model.logits(ids)
         with adapter.disabled():
             assert (model.logits(ids) - ours).abs().max() > 0.1  # the adapter does something
-    for file in (exported, live):
-        assert (llama_logits(base, ids, lora_path=file) - ours).abs().max() < 1e-4
+    for file in (exported, live):  # arch_checks.assert_adapter_reproduced's bound for a float32 base
+        assert (llama_logits(base, ids, lora_path=file) - ours).abs().max() <= 1e-3
 
 
 @pytest.mark.parametrize("rank, padded", [(8, 16), (3, 16), (16, 16), (20, 32)])
