@@ -18,8 +18,10 @@ generation batch 16, max_completion_length 16, fp32, no vLLM, sampling by transf
 generate; side "trl" keeps GRPOConfig's default gradient checkpointing, "trl-nogc" turns it off.
 Ours: what a user runs, `retrograd train` in its own process on a [run] algorithm = "grpo" TOML
 this script writes, compute dtype "auto" (bf16 on a CPU with native bf16) and "f32", and "ours-quantized"
-(`[model] weights = "quantized"`: the base kept in its GGUF blocks, dequantized per use); rollouts
-from llama.cpp with the live adapter; its numbers come from the run's own metrics.jsonl.
+(`[model] weights = "quantized"`: the base kept in its GGUF blocks, dequantized per use), and
+"ours-lean" (quantized, plus gradient checkpointing, as TRL's default side checkpoints: the
+least memory); rollouts from llama.cpp with the live adapter; its numbers come
+from the run's own metrics.jsonl.
 Side "decode": our sampler beside raw llama.cpp batched decode on the first two prompts (16
 sequences), with a trained-looking rank-8 adapter and without (benchmarks/sampler.py's
 `compare`), and the adapter refresh time.
@@ -58,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # also when retrograd imports th
 from sized_models import MODEL_ENV, bench_model, use_model  # noqa: E402
 
 TRL_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets")
-SIDES = ("trl", "trl-nogc", "ours-auto", "ours-f32", "ours-quantized", "decode")
+SIDES = ("trl", "trl-nogc", "ours-auto", "ours-f32", "ours-quantized", "ours-lean", "decode")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QUESTION = re.compile(r"Calculate (\d+) \+ (\d+)\.")
 INTEGER = re.compile(r"-?\d+")
@@ -122,7 +124,8 @@ def peak_rss_bytes(who=resource.RUSAGE_SELF) -> int:
 # ----------------------------------------------------------------------------- ours
 
 
-def write_config(folder: Path, compute_dtype: str, duty_cycle: float = 1.0, weights: str = "auto") -> Path:
+def write_config(folder: Path, compute_dtype: str, duty_cycle: float = 1.0, weights: str = "auto", lean: bool = False) -> Path:
+    """Our TOML for the workload; `lean`: gradient checkpointing too (at every layer, float32), as TRL's default side checkpoints."""
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in WORK.questions()))
     config = folder / "grpo.toml"
@@ -149,6 +152,7 @@ max_grad_norm = {WORK.max_grad_norm}
 threads = {WORK.threads}
 compute_dtype = "{compute_dtype}"
 max_gpu_duty_cycle = {duty_cycle}
+{'gradient_checkpointing = true' if lean else ''}
 
 [grpo]
 prompts = "{prompts}"
@@ -170,14 +174,14 @@ top_p = 1.0
     return config
 
 
-def run_ours(dtype: str, duty_cycle: float = 1.0, weights: str = "auto") -> dict:
+def run_ours(dtype: str, duty_cycle: float = 1.0, weights: str = "auto", lean: bool = False) -> dict:
     """`retrograd train` on the workload's TOML, in a process of its own; its metrics.jsonl."""
     from retrograd.config import load_config
     from retrograd.data import load_prompts
     from retrograd.recipes.common import open_chat
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = write_config(Path(tmp), dtype, duty_cycle, weights)
+        config = write_config(Path(tmp), dtype, duty_cycle, weights, lean)
         launched = time.time()
         res = subprocess.run([sys.executable, "-m", "retrograd", "train", str(config)], check=False, capture_output=True, text=True)
         if res.returncode:
@@ -358,6 +362,7 @@ CHILDREN = {  # side -> run(duty_cycle), which only our runs use
     "ours-auto": lambda duty: run_ours("auto", duty),
     "ours-f32": lambda duty: run_ours("f32", duty),
     "ours-quantized": lambda duty: run_ours("auto", duty, weights="quantized"),
+    "ours-lean": lambda duty: run_ours("auto", duty, weights="quantized", lean=True),
     "decode": lambda _: run_decode(),
 }
 

@@ -95,7 +95,7 @@ class TrainingSection:
     threads_follow_load: bool = key(True)  # fewer torch threads while other programs busy the cores (runtime/cpu_share.py)
     compute_dtype: str = key("auto", choices=("auto", "f32", "bf16"))
     gradient_checkpointing: bool = key(False)
-    checkpoint_every_n_layers: int = key(4, ge=1)
+    checkpoint_every_n_layers: int = key(1, ge=1)  # retrograd: 4; a layer keeps 25-50x a checkpoint here (README, Configuration)
     checkpoint_dtype: str = key("f32", choices=("f32", "f16", "bf16"))
     chunked_cross_entropy: bool = key(True)
     chunked_ce_tiles: int | None = key(None, ge=1)  # None: tiles sized by a 64 MiB budget
