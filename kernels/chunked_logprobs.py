@@ -10,13 +10,21 @@ vocabulary streams by in tiles and the tokens in chunks, so only one
 - forward: one pass over the head's tiles; each block's log-sum-exp is merged into a running
   per-row one (online softmax), along with the entropy and top-k extras, and the logits of
   the ids that fall in the tile are picked out.
-- backward: each block is recomputed from the saved per-row log-sum-exp (as in Cut Cross
-  Entropy, Wijmans et al. 2024), dz = scatter(g at ids) - (sum_k g_k) * softmax, and
-  grad_hidden += dz @ W_tile. Nothing of size V is saved between the passes.
+- the gradient is taken in that same pass. d logp[n, k] / d hidden[n] = (c'_id W[id] - E_p[c' W]) / T
+  (c' the softcap's slope) does not depend on the upstream gradient, so when a backward will
+  follow, the forward also merges each block's `softmax-weighted rows of W` into a running
+  per-row mean, rescaled as the log-sum-exp grows (the output accumulator of flash attention,
+  with W as the values). The backward then only gathers the W rows of the ids and combines
+  them with that mean: no block of logits is computed twice, and no tile is read again. This
+  is Liger's fused linear cross-entropy idea (the gradient taken in the forward); the Cut
+  Cross Entropy alternative (Wijmans et al. 2024) recomputes every block in the backward, one
+  more `[N, V] x E` matmul and one more read of the head per step. Nothing of size V is saved
+  between the passes: the mean is `[N, E]`, like the hidden states it replaces.
 
 The tile loop sits outside the chunk loop, so a quantized head is dequantized once per pass
-(twice per training step), never once per token chunk. Matmuls run in `compute_dtype`;
-everything summed across tiles (log-sum-exp, entropy, grad_hidden) stays in float32 or wider.
+(once per training step), never once per token chunk. Matmuls run in `compute_dtype`;
+everything summed across tiles (log-sum-exp, entropy, the gradient's mean) stays in float32
+or wider.
 
 `dense_gather_logprobs` computes the same thing from materialised logits: the oracle for
 tests and the fallback (`LOGPROB_PATHS` picks one by name, as torchtune's and Liger's
@@ -34,12 +42,13 @@ from torch.autograd.function import once_differentiable
 from retrograd.kernels.frozen import FrozenWeight
 
 # Default sizes, from a 64 MiB budget for the transient memory at Gemma-3's head (V = 262144,
-# E = 640, N = 2048). Alive at the peak: the two block buffers, 2 * c * t * 4 B, and two tile-sized
-# float32 arrays (the dequantized tile plus its decode temporary or the GEMM's packed copy),
-# 2 * t * E * 4 B. With t = 2048, c = 512 that is 8 + 10 = 18 MiB, and 18 MiB is the measured RSS
-# peak with a float32 head; with a Q8_0 head glibc's reuse of the freed tiles added up to 21 MiB
-# more (24-39 MiB over three runs). Half the budget is left for that slack (4096-row Q8_0 tiles
-# reached 85 MiB at E = 576). c = 512 rows keeps the GEMMs efficient; wider tiles were not faster (measured with
+# E = 640, N = 2048). Alive at the peak: the two block buffers, 2 * c * t * 4 B (a third with a
+# softcap when the gradient is taken), and two tile-sized float32 arrays (the dequantized tile
+# plus its decode temporary or the GEMM's packed copy), 2 * t * E * 4 B. With t = 2048, c = 512
+# that is 8 + 10 = 18 MiB, and 18 MiB is the measured RSS peak with a float32 head; with a Q8_0
+# head glibc's reuse of the freed tiles added up to 21 MiB more (24-39 MiB over three runs).
+# Half the budget is left for that slack (4096-row Q8_0 tiles reached 85 MiB at E = 576).
+# c = 512 rows keeps the GEMMs efficient; wider tiles were not faster (measured with
 # `benchmarks/chunked_logprobs.py --sweep`).
 VOCAB_TILE = 2048
 TOKEN_CHUNK = 512
@@ -86,15 +95,17 @@ def _spans(total: int, step: int) -> Iterator[tuple[int, int]]:
 
 
 class _Blocks:
-    """Two `[chunk, tile]` buffers reused by every block of a pass: the logits, and their exp
-    (forward) or gradient (backward). Fresh tensors per block would leave glibc to recycle them
-    and its heap then grows to several times the two blocks that are ever alive."""
+    """`[chunk, tile]` buffers reused by every block of a pass: the logits, their exp, and (with
+    a softcap, when the gradient is taken) the exp times the softcap's slope. Fresh tensors per
+    block would leave glibc to recycle them and its heap then grows to several times the
+    blocks that are ever alive."""
 
     def __init__(self, plan: _Plan, n_rows: int, n_vocab: int, device: torch.device):
         size = min(plan.token_chunk, n_rows) * min(plan.vocab_tile, n_vocab)
         self.plan = plan
         self._logits = torch.empty(size, dtype=plan.sum_dtype, device=device)
         self._scratch = torch.empty(size, dtype=plan.sum_dtype, device=device)
+        self._sloped: torch.Tensor | None = None
 
     def logits(self, hidden: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
         """softcap(hidden @ tile^T) / temperature -> [c, t] in sum_dtype, written into the logits buffer."""
@@ -111,6 +122,21 @@ class _Blocks:
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         return self._scratch[: like.numel()].view(like.shape)
+
+    def gradient_weights(self, z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """e * c'(z): the exp of the block's logits times the softcap's slope at them (1 - tanh^2,
+        tanh = z T / cap), or e itself without a softcap. Leaves z and e as they are."""
+        if self.plan.softcap == 0:
+            return e
+        if self._sloped is None:
+            self._sloped = torch.empty_like(self._logits)
+        out = self._sloped[: z.numel()].view(z.shape)
+        return _softcap_slope(z, self.plan, out=out).mul_(e)
+
+
+def _softcap_slope(z: torch.Tensor, plan: _Plan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d(cap tanh(x / cap)) / dx = 1 - tanh^2 at logits z = cap tanh(x / cap) / T."""
+    return torch.mul(z, plan.temperature / plan.softcap, out=out).square_().neg_().add_(1.0)
 
 
 def _local_ids(ids: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,15 +156,19 @@ def _merge_topk(vals: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, start: i
     return best_vals, cand_ids.gather(1, best)
 
 
-def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _Plan):
-    """-> (logprobs [N, K], lse [N], LogprobStats), with one pass over the head's tiles."""
+def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _Plan, with_grad: bool):
+    """-> (logprobs [N, K], LogprobStats, gradient parts), with one pass over the head's tiles.
+    The gradient parts, with `with_grad` (else None), are what the backward needs besides the
+    ids' rows of W: the softcap's slope c' at the ids [N, K] (None without a softcap) and
+    E_p[c' W] [N, E]."""
     n_rows, n_ids = ids.shape
-    n_vocab = head.shape[0]
+    n_vocab, n_embd = head.shape
     h = hidden.to(plan.compute_dtype)  # [N, E]
     new = {"dtype": plan.sum_dtype, "device": hidden.device}
     lse = torch.full((n_rows,), float("-inf"), **new)  # [N]
     picked = torch.zeros(n_rows, n_ids, **new)  # [N, K] logits at ids
     mean_logit = torch.zeros(n_rows, **new)  # [N] E_p[z], for the entropy lse - E_p[z]
+    mean_row = torch.zeros(n_rows, n_embd, **new) if with_grad else None  # [N, E] E_p[c' W]
     top_vals = torch.full((n_rows, plan.topk), float("-inf"), **new)  # [N, k]
     top_ids = torch.zeros(n_rows, plan.topk, dtype=torch.long, device=hidden.device)  # [N, k]
 
@@ -152,6 +182,10 @@ def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor,
             mass = e.sum(1)  # [c]
             block_lse = peak.squeeze(1) + mass.log()  # [c]
             merged = torch.logaddexp(lse[r0:r1], block_lse)  # [c]
+            if mean_row is not None:  # rescale the rows merged so far, add this block's (weights e^(z - peak))
+                weighted = (blocks.gradient_weights(z, e).to(plan.compute_dtype) @ tile).to(plan.sum_dtype)  # [c, E]
+                mean_row[r0:r1].mul_((lse[r0:r1] - merged).exp()[:, None])
+                mean_row[r0:r1].addcmul_(weighted, (peak.squeeze(1) - merged).exp()[:, None])
             if plan.entropy:
                 block_mean = e.mul_(z).sum(1) / mass  # [c] E_p[z] within the block
                 mean_logit[r0:r1] = (
@@ -171,45 +205,32 @@ def _stream_forward(hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor,
         topk_ids=top_ids if plan.topk else None,
         topk_logprobs=top_vals - lse[:, None] if plan.topk else None,
     )
-    return picked - lse[:, None], lse, stats
+    id_slope = _softcap_slope(picked, plan) if with_grad and plan.softcap > 0 else None  # [N, K]
+    return picked - lse[:, None], stats, None if mean_row is None else (id_slope, mean_row)
 
 
-def _stream_backward(
-    hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, plan: _Plan
+def _gathered_backward(
+    head: FrozenWeight, ids: torch.Tensor, id_slope: torch.Tensor | None, mean_row: torch.Tensor, grad: torch.Tensor,
+    plan: _Plan,
 ) -> torch.Tensor:
-    """d(sum grad * logprobs)/d hidden -> [N, E], recomputing each block of logits."""
-    n_rows = ids.shape[0]
-    h = hidden.to(plan.compute_dtype)  # [N, E]
+    """d(sum grad * logprobs)/d hidden = (sum_k grad_k c'_k W[id_k] - (sum_k grad_k) E_p[c' W]) / T -> [N, E]."""
     g = grad.to(plan.sum_dtype)  # [N, K]
-    g_total = g.sum(1, keepdim=True)  # [N, 1]
-    grad_hidden = torch.zeros(hidden.shape, dtype=plan.sum_dtype, device=hidden.device)  # [N, E]
-
-    blocks = _Blocks(plan, n_rows, head.shape[0], hidden.device)
-    for start, stop in _spans(head.shape[0], plan.vocab_tile):
-        tile = head.borrow_rows(start, stop, plan.compute_dtype).to(hidden.device)  # [t, E]
-        for r0, r1 in _spans(n_rows, plan.token_chunk):
-            z = blocks.logits(h[r0:r1], tile)  # [c, t] after softcap and temperature
-            dz = torch.sub(z, lse[r0:r1, None], out=blocks.scratch(z)).exp_()  # [c, t] softmax
-            dz.mul_(-g_total[r0:r1])  # [c, t] -(sum_k g_k) softmax
-            local, inside = _local_ids(ids[r0:r1], start, stop - start)  # [c, K]
-            dz.scatter_add_(1, local, torch.where(inside, g[r0:r1], 0.0))  # + g at ids: d/d(z / T)
-            if plan.temperature != 1.0:
-                dz.div_(plan.temperature)  # d/d(softcapped z)
-            if plan.softcap > 0:  # d(cap tanh(x/cap))/dx = 1 - tanh^2, tanh = z T / cap
-                dz.mul_(z.div_(plan.softcap / plan.temperature).square_().neg_().add_(1.0))
-            grad_hidden[r0:r1] += (dz.to(plan.compute_dtype) @ tile).to(plan.sum_dtype)  # [c, E]
-        del tile
-    return grad_hidden.to(hidden.dtype)
+    coef = g if id_slope is None else g * id_slope  # [N, K]
+    grad_hidden = mean_row * -g.sum(1, keepdim=True)  # [N, E]
+    for k in range(ids.shape[1]):  # one [N, E] gather at a time: distillation's K may be large
+        grad_hidden.addcmul_(head.rows(ids[:, k], plan.compute_dtype).to(plan.sum_dtype), coef[:, k : k + 1])
+    return grad_hidden.div_(plan.temperature) if plan.temperature != 1.0 else grad_hidden
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """Outputs (logprobs, entropy, topk_ids, topk_logprobs); only logprobs is differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _Plan):
-        logprobs, lse, stats = _stream_forward(hidden, head, ids, plan)
-        ctx.save_for_backward(hidden, ids, lse)
-        ctx.head, ctx.plan = head, plan
+    def forward(ctx, hidden: torch.Tensor, head: FrozenWeight, ids: torch.Tensor, plan: _Plan, with_grad: bool):
+        logprobs, stats, gradient_parts = _stream_forward(hidden, head, ids, plan, with_grad)
+        if gradient_parts is not None:
+            ctx.save_for_backward(ids, *gradient_parts)
+            ctx.head, ctx.plan, ctx.hidden_dtype = head, plan, hidden.dtype
         extras = (stats.entropy, stats.topk_ids, stats.topk_logprobs)
         ctx.mark_non_differentiable(*(t for t in extras if t is not None))
         return logprobs, *extras
@@ -217,8 +238,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs: torch.Tensor, *_extras):
-        hidden, ids, lse = ctx.saved_tensors
-        return _stream_backward(hidden, ctx.head, ids, lse, grad_logprobs, ctx.plan), None, None, None
+        ids, id_slope, mean_row = ctx.saved_tensors
+        grad_hidden = _gathered_backward(ctx.head, ids, id_slope, mean_row, grad_logprobs, ctx.plan)
+        return grad_hidden.to(ctx.hidden_dtype), None, None, None, None
 
 
 def gather_logprobs(
@@ -243,7 +265,8 @@ def gather_logprobs(
     """
     plan = _Plan(compute_dtype, float(softcap), float(temperature), vocab_tile, token_chunk, entropy, topk)
     _check(hidden, head, ids, plan)
-    logprobs, *extras = _ChunkedLogprobs.apply(hidden, head, ids, plan)
+    with_grad = torch.is_grad_enabled() and hidden.requires_grad  # a no_grad pass skips the gradient's mean
+    logprobs, *extras = _ChunkedLogprobs.apply(hidden, head, ids, plan, with_grad)
     return logprobs, LogprobStats(*extras)
 
 
