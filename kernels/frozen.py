@@ -186,12 +186,13 @@ class _FrozenLinear(torch.autograd.Function):
 
 def frozen_linear(x: torch.Tensor, weight: FrozenWeight, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """x @ W.T for a frozen W, or for its rows start..stop (one expert of a stack: only
-    those rows are dequantized); a weight held dense in x's dtype goes straight to F.linear
-    (whose backward computes the same grad_out @ W)."""
+    those rows are dequantized). Without gradients a weight held dense in x's dtype goes
+    straight to F.linear; with them every weight goes through _FrozenLinear, which saves no
+    tensor for backward (F.linear would save W, a dense copy's cast included): so a checkpointed
+    pass's recomputation can stop before it (see retrograd.model.lora._LoRADelta)."""
     start, stop = rows or (0, weight.n_rows)
-    held = weight.ready(x.dtype)
-    if held is not None:
-        return F.linear(x, held[start:stop])
-    if weight.is_dense:
-        return F.linear(x, weight.data[start:stop].to(x.dtype))
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        held = weight.ready(x.dtype)
+        if held is not None:
+            return F.linear(x, held[start:stop])
     return _FrozenLinear.apply(x, weight, start, stop)

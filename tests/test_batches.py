@@ -5,6 +5,7 @@ import torch
 
 import retrograd
 from retrograd.data import TokenSequence
+from retrograd.kernels.frozen import FrozenWeight
 from retrograd.model.activation_memory import Merging
 from retrograd.model.lora import attach_lora
 from retrograd.training.batches import Group, batch_logprobs, merge_micro_batches, pack, plan_micro_batches
@@ -80,6 +81,34 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model):
     model.checkpoint_dtype = torch.bfloat16  # block inputs kept in bf16: close, not equal
     rel = [float((g - h).norm() / g.norm()) for g, h in zip(plain, grads()) if g.norm() > 0]
     assert max(rel) < 0.05 and max(rel) > 0
+
+
+def test_a_checkpointed_pass_recomputes_all_but_each_segments_down_projection(tiny_model, monkeypatch):
+    """torch's recomputation stops at a checkpointed segment's last saved tensor (its down
+    projection's LoRA factors), before that projection's base matmul. So at a checkpoint per
+    block each down projection is read twice per step (forward, backward), the other
+    projections three times (forward, recomputation, backward). The gradients are those of
+    the plain pass (test above)."""
+    model = retrograd.load_model(tiny_model("qwen3")).transformer
+    adapter = attach_lora(model, ["auto"], 4, 8.0, seed=0)
+    batch = pack([seq(range(200, 260))])
+    reads = []
+    borrow = FrozenWeight.borrow_rows
+    monkeypatch.setattr(FrozenWeight, "borrow_rows", lambda w, *a: reads.append(w.name) or borrow(w, *a))
+
+    def reads_per_step(every: int, block: int) -> list[int]:
+        reads.clear()
+        model.checkpoint_every = every
+        batch_logprobs(model, batch).sum().backward()
+        return [reads.count(f"blk.{block}.{kind}.weight") for kind in ("attn_q", "attn_output", "ffn_up", "ffn_down")]
+
+    assert len(model.blocks) == 2 and {"blk.1.attn_output.weight", "blk.1.ffn_down.weight"} <= set(adapter.layers)
+    assert reads_per_step(0, 1) == [2, 2, 2, 2]
+    assert reads_per_step(1, 1) == [3, 3, 3, 2]
+    # one segment of both blocks: block 0 is recomputed whole (its q reads the embeddings, which
+    # need no gradient: no base matmul of it takes part in the backward), block 1 but its down projection
+    assert reads_per_step(2, 0) == [0, 3, 3, 3]
+    assert reads_per_step(2, 1) == [3, 3, 3, 2]
 
 
 def test_learning_rate_schedules():

@@ -55,10 +55,12 @@ PASS_TOKENS_GLIBC = 256
 PASS_TOKENS_JEMALLOC = 512
 
 # About 2 c0 / c1, rounded down: a pass over T tokens costs about c0 + c1 T, and checkpointed at
-# every layer c0 + 1.5 c1 T (it computes its forward twice, and with a frozen base the backward
-# costs about one forward). SmolLM2 on 2 threads of a Xeon (AMX): c0 = 164 ms, c1 = 1.46 ms per
-# token in bf16 (2 c0 / c1 = 225); 198 ms and 2.9 ms in f32 (136). Micro-batches of more tokens
-# never gain from merging, and merging_pays weighs the passes saved against the recomputation.
+# every layer at most c0 + 1.5 c1 T (it computes its forward twice, and with a frozen base the
+# backward costs about one forward; the recomputation skips each block's down projection, about
+# a quarter of it). SmolLM2 on 2 threads of a Xeon (AMX): c0 = 164 ms, c1 = 1.46 ms per token in
+# bf16 (2 c0 / c1 = 225); 198 ms and 2.9 ms in f32 (136). Micro-batches of more tokens never gain
+# from merging, and merging_pays weighs the passes saved against the recomputation
+# (conservatively, at a whole forward).
 SMALL_MICRO_BATCH = 128
 
 

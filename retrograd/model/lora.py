@@ -122,11 +122,11 @@ class LoRALinear(nn.Module):
         return self.base.weight.name
 
     def forward(self, x: torch.Tensor, *expert: int) -> torch.Tensor:
-        y = self.base(x, *expert)
         if not self.enabled:
-            return y
+            return self.base(x, *expert)
         a, b = (self.lora_a[expert[0]], self.lora_b[expert[0]]) if expert else (self.lora_a, self.lora_b)
-        return _LoRASum.apply(y, x, a, b, self.scale)
+        delta = _LoRADelta.apply(x, a, b, self.scale)  # [..., out] float32; first: see _LoRADelta
+        return delta.add_(self.base(x, *expert))
 
     def split(self, x: torch.Tensor):
         """base(x) and the delta's factors, x A^T (in x's dtype) and scale * B (float32), for a
@@ -137,35 +137,40 @@ class LoRALinear(nn.Module):
         return y, F.linear(x, self.lora_a.to(x.dtype)), self.lora_b * self.scale
 
 
-class _LoRASum(torch.autograd.Function):
-    """y + scale * (x A^T) B^T, in float32 whatever y's dtype: in bf16/f16 compute a young
-    adapter's delta is far below bf16's 1/128 relative resolution of y and would round away
+class _LoRADelta(torch.autograd.Function):
+    """scale * (x A^T) B^T in float32 whatever x's dtype: in bf16/f16 compute a young adapter's
+    delta is far below bf16's 1/128 relative resolution of the base output and would round away
     wherever the output reaches the float32 residual. x A^T runs in x's dtype (the wide
-    matmul), the rank-r product with B in float32, added into y's float32 copy by one addmm.
-    One node instead of autograd's five (two matmuls, the scale, the casts, the sum): at a
-    0.5B model's FFN width in bf16 the casts and elementwise passes cost 5-10% of a pass."""
+    matmul), the rank-r product with B in float32. One node instead of autograd's four (two
+    matmuls, the scale, the casts): at a 0.5B model's FFN width in bf16 the casts and
+    elementwise passes cost 5-10% of a pass.
+
+    LoRALinear adds the base output into this delta after computing it, so a projection's last
+    saved tensors are this node's: the base matmul saves nothing (kernels/frozen.py). A
+    checkpointed pass's recomputation stops as soon as it has every saved tensor back (torch's
+    early stop), so it skips the base matmul of each checkpointed segment's last projection:
+    with a checkpoint per block, every down projection."""
 
     @staticmethod
-    def forward(ctx, y, x, a, b, scale: float):
+    def forward(ctx, x, a, b, scale: float):
         a_x = a.to(x.dtype)
         h = F.linear(x, a_x).float()  # [..., r]
         b_scaled = b * scale  # [out, r], float32
-        out = torch.addmm(y.float().flatten(0, -2), h.flatten(0, -2), b_scaled.t()).view(*y.shape[:-1], -1)
+        delta = h @ b_scaled.t()  # [..., out]
         ctx.save_for_backward(x, a_x, h, b_scaled)
-        ctx.scale, ctx.y_dtype = scale, y.dtype
-        return out
+        ctx.scale = scale
+        return delta
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, a_x, h, b_scaled = ctx.saved_tensors
-        grad_y = grad.to(ctx.y_dtype) if ctx.needs_input_grad[0] else None
         grad = grad.flatten(0, -2)
         grad_b = (grad.t() @ h.flatten(0, -2)).mul_(ctx.scale)  # [out, r]
         grad_h = (grad @ b_scaled).to(x.dtype)  # [T, r]
         grad_a = (grad_h.t() @ x.flatten(0, -2)).float()  # [r, in]
-        grad_x = (grad_h @ a_x).view(x.shape) if ctx.needs_input_grad[1] else None
-        return grad_y, grad_x, grad_a, grad_b, None
+        grad_x = (grad_h @ a_x).view(x.shape) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_a, grad_b, None
 
 
 @dataclass
