@@ -501,7 +501,8 @@ class Transformer(nn.Module):
         for start in range(0, len(self.blocks), every):
             segment = self.blocks[start : start + every]
             # the recomputation stops at the segment's last saved tensor, before its last down
-            # projection's base matmul (see retrograd.model.lora._LoRADelta)
+            # projection's base matmul (see retrograd.model.lora._LoRADelta); not under gemma's
+            # sandwich norms, whose post-FFN norm saves that matmul's output
             x = checkpoint(run, segment, x.to(self.checkpoint_dtype), use_reentrant=False)
         return self.output_norm(x)
 
