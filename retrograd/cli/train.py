@@ -34,13 +34,15 @@ def train(
 ) -> None:
     """Train a LoRA on the frozen GGUF base as \\[run].algorithm says, and export it for llama.cpp."""
     from retrograd.config import load_config
+
+    # the arguments, the config and its tasks are checked before torch is imported (about 2 s)
+    resume_arg = resume_choice(resume, resume_from, ctx.args)
+    cfg = load_config(config).with_overrides(model=model, device=device)
+    tasks = evaluation_tasks(cfg)  # checked now, not after the run
     from retrograd.recipes import RECIPES
     from retrograd.training.distributed import launched_as_rank_zero
     from retrograd.training.report import SilentReporter
 
-    resume_arg = resume_choice(resume, resume_from, ctx.args)
-    cfg = load_config(config).with_overrides(model=model, device=device)
-    tasks = evaluation_tasks(cfg)  # checked now, not after the run
     if not launched_as_rank_zero():  # under torchrun rank 0 reports for every rank
         RECIPES[cfg.run.algorithm](cfg, SilentReporter(), resume=resume_arg)
         return
@@ -64,13 +66,13 @@ def train(
 def evaluation_tasks(cfg) -> tuple:
     """[evaluation] tasks, loaded (a malformed record stops the run before it starts).
     Generation tasks are scored by the run's own reward, so only grpo and ppo runs take them."""
+    ev = cfg.evaluation
+    if not (ev and ev.tasks):
+        return ()
     from retrograd.errors import ConfigError
     from retrograd.evaluation.tasks import load_tasks
     from retrograd.recipes.common import open_chat
 
-    ev = cfg.evaluation
-    if not (ev and ev.tasks):
-        return ()
     chat = open_chat(cfg)
     tasks = tuple(task for path in ev.tasks for task in load_tasks(path, chat))
     generation = [t.name for t in tasks if t.kind == "generation"]
@@ -150,8 +152,6 @@ def sampler_warning(cfg) -> str | None:
 def resume_choice(resume: bool, resume_from: Path | None, extra: list[str]) -> Path | bool | None:
     """What the recipes' `resume=` gets: True (--resume: the newest checkpoint), the checkpoint
     named by --resume-from, or None (a fresh run, or [checkpoint].resume_from)."""
-    from retrograd.training.checkpoint import load_checkpoint
-
     if extra:
         if resume:
             raise RetrogradError(f"--resume takes no value: to continue from {extra[0]}, use --resume-from {extra[0]}")
@@ -165,6 +165,8 @@ def resume_choice(resume: bool, resume_from: Path | None, extra: list[str]) -> P
         return True if resume else None
     if not resume_from.exists():
         raise RetrogradError(f"--resume-from {resume_from}: no such file or directory")
+    from retrograd.training.checkpoint import load_checkpoint
+
     hint = "give a step-….state or best.state directory from [checkpoint].directory"
     try:
         load_checkpoint(resume_from)
