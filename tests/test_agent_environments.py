@@ -585,6 +585,7 @@ def test_an_llm_judge_reads_compacted_transcripts_in_a_scripted_update(tmp_path,
     assert result.updates_done == 1
 
 
+@pytest.mark.slow  # 13-16 s on 2 cores: an MCP server process and a run
 def test_a_scripted_update_with_mcp_tools(tmp_path, tiny_model, mcp_script):
     """An mcp server's tools in the prompt, its answers as observations, a server that exits
     mid-episode costs that trajectory (judged run: no environment)."""
@@ -639,6 +640,7 @@ def test_one_update_on_smollm2_against_the_http_environment(tmp_path, guess_serv
     assert json.dumps(GUESS) in prompt  # the server's schema, rendered as our own tools are
 
 
+@pytest.mark.slow  # 9-11 s on 2 cores: an MCP server and an update on SmolLM2
 def test_one_update_on_smollm2_with_an_mcp_server(tmp_path, mcp_script, smollm2):
     mcp = f'[[agent.mcp_servers]]\nname = "lab"\ncommand = ["{sys.executable}", "{mcp_script}", "{tmp_path / "starts.log"}"]'
     cfg = write_config(tmp_path, environment="", mcp=mcp, judge=True,

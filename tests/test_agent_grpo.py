@@ -80,6 +80,7 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # 18-29 s on 2 cores: updates on SmolLM2 with llama.cpp sampling
 @pytest.mark.namespace  # never the unsandboxed local folder: skips without bwrap, fails under CI=true
 def test_updates_complete_on_smollm2_with_the_real_sampler(tmp_path):
     """Environment-verified and judged groups, both sampled by llama.cpp with the live

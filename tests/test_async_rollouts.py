@@ -112,6 +112,7 @@ def test_an_error_in_the_producer_stops_the_run_on_one_line(tmp_path, tiny_model
     one_line_error(r, "bad.py")
 
 
+@pytest.mark.slow  # 11-13 s on 2 cores: a killed asynchronous run resumed
 def test_resume_under_async_restarts_the_producer_and_says_so(tmp_path, tiny_model):
     """From the checkpoint after update 2 the run goes on at update 3, with the producer
     restarted on the checkpointed adapter (so update 3 samples with staleness 0 this time)."""

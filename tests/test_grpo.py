@@ -156,6 +156,7 @@ def per_update(path: Path) -> dict[int, tuple]:
     return out
 
 
+@pytest.mark.slow  # ~19 s on 2 cores: three runs; test_sft.py kills and resumes in the default suite
 def test_killed_run_resumes_at_update_boundaries_exactly(tmp_path, tiny_model):
     base = tiny_model("qwen2")
     runs = {}

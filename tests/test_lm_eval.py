@@ -78,6 +78,7 @@ def served(tiny_model):
             thread.join(timeout=60)
 
 
+@pytest.mark.slow  # ~12 s on 2 cores: lm-eval's harness against a live serve
 def test_the_harness_scores_local_tasks_through_serve(served, tmp_path, monkeypatch):
     url, path = served
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

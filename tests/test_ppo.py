@@ -186,6 +186,7 @@ def test_without_the_critic_every_token_carries_the_whitened_reward(tmp_path, ti
     assert [r["advantage"] for r in records] == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.slow  # ~17 s on 2 cores: three runs; test_sft.py kills and resumes in the default suite
 def test_killed_run_resumes_at_update_boundaries_exactly_with_the_critic(tmp_path, tiny_model):
     """The head's weights and Adam moments travel in the checkpoint: after a kill and
     --resume, every update (value loss and explained variance included) is the one an

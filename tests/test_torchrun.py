@@ -24,6 +24,7 @@ from retrograd.gguf.adapter import read_adapter
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 RETROGRAD = [sys.executable, "-m", "retrograd"]
 BOUND = 1e-4  # relative; see the module docstring
+pytestmark = pytest.mark.slow  # 12-17 s each on 2 cores: a 2-rank torchrun and a 1-rank run
 
 
 def train(folder: Path, ranks: int) -> subprocess.CompletedProcess:
