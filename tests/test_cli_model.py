@@ -1,6 +1,8 @@
 """`retrograd inspect` / `preflight` through the real command: reports, and one-line
-errors with exit code 2 for every kind of bad model file."""
+errors with exit code 2 for every kind of bad model file, answered (as train's bad
+arguments and config are) before torch is imported."""
 
+import os
 import subprocess
 import sys
 
@@ -89,6 +91,36 @@ def test_bad_model_files_give_one_line_errors(bad_files, case, needle):
     path = bad_files[case]
     for command in ("inspect", "preflight"):
         assert_one_line_error(run(command, "--model", path, timeout=60), path, needle)
+
+
+# Runs the command in this interpreter and says, after its one-line error, whether torch was imported.
+_STOPS_WITHOUT_TORCH = """import runpy, sys
+sys.argv = ["retrograd", *sys.argv[1:]]
+try:
+    runpy.run_module("retrograd", run_name="__main__")
+except SystemExit as e:
+    print(f"exit {e.code}, torch imported: {'torch' in sys.modules}")
+"""
+
+
+@pytest.mark.parametrize("args", [
+    ("inspect", "--model", "{tmp}/missing.gguf"),
+    ("inspect", "--model", "{tmp}/not.gguf"),
+    ("preflight", "--model", "{tmp}"),
+    ("preflight", "{tmp}/missing.toml"),
+    ("train", "{tmp}/missing.toml"),
+    ("train", "{tmp}/bad.toml"),
+    ("train", "{tmp}/bad.toml", "--resume", "ckpt"),
+], ids=["inspect missing", "inspect not gguf", "preflight directory", "preflight missing config", "train missing config",
+        "train bad key", "train resume with a value"])
+def test_bad_input_stops_before_torch_is_imported(tmp_path, args):
+    """Importing torch takes about 2 s: a mistyped path or key is answered without it."""
+    (tmp_path / "not.gguf").write_text("text")
+    (tmp_path / "bad.toml").write_text('[run]\nalgorithm = "sft"\n[lora]\nrnak = 4\n')
+    command = [sys.executable, "-c", _STOPS_WITHOUT_TORCH, *(a.format(tmp=tmp_path) for a in args)]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | {"RETROGRAD_ALLOCATOR": "system"})
+    assert r.stdout.strip() == "exit 2, torch imported: False", (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def _tiny_with_type(tmp_path, tiny_model, qtype):
