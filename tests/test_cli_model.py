@@ -103,24 +103,24 @@ except SystemExit as e:
 """
 
 
-@pytest.mark.parametrize("args", [
-    ("inspect", "--model", "{tmp}/missing.gguf"),
-    ("inspect", "--model", "{tmp}/not.gguf"),
-    ("preflight", "--model", "{tmp}"),
-    ("preflight", "{tmp}/missing.toml"),
-    ("train", "{tmp}/missing.toml"),
-    ("train", "{tmp}/bad.toml"),
-    ("train", "{tmp}/bad.toml", "--resume", "ckpt"),
+@pytest.mark.parametrize("args,needle", [
+    (("inspect", "--model", "{tmp}/missing.gguf"), "missing.gguf"),
+    (("inspect", "--model", "{tmp}/not.gguf"), "not a GGUF file"),
+    (("preflight", "--model", "{tmp}"), "is a directory"),
+    (("preflight", "{tmp}/missing.toml"), "missing.toml"),
+    (("train", "{tmp}/missing.toml"), "missing.toml"),
+    (("train", "{tmp}/bad.toml"), "lora.rnak: unknown key"),
+    (("train", "{tmp}/bad.toml", "--resume", "ckpt"), "--resume takes no value"),
 ], ids=["inspect missing", "inspect not gguf", "preflight directory", "preflight missing config", "train missing config",
         "train bad key", "train resume with a value"])
-def test_bad_input_stops_before_torch_is_imported(tmp_path, args):
+def test_bad_input_stops_before_torch_is_imported(tmp_path, args, needle):
     """Importing torch takes about 2 s: a mistyped path or key is answered without it."""
     (tmp_path / "not.gguf").write_text("text")
     (tmp_path / "bad.toml").write_text('[run]\nalgorithm = "sft"\n[lora]\nrnak = 4\n')
     command = [sys.executable, "-c", _STOPS_WITHOUT_TORCH, *(a.format(tmp=tmp_path) for a in args)]
     r = subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | {"RETROGRAD_ALLOCATOR": "system"})
     assert r.stdout.strip() == "exit 2, torch imported: False", (r.stdout, r.stderr)
-    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
 
 
 def _tiny_with_type(tmp_path, tiny_model, qtype):

@@ -35,7 +35,7 @@ def train(
     """Train a LoRA on the frozen GGUF base as \\[run].algorithm says, and export it for llama.cpp."""
     from retrograd.config import load_config
 
-    # the arguments, the config and its tasks are checked before torch is imported (about 2 s)
+    # the arguments and the config are checked before torch is imported (about 2 s; [evaluation] tasks import it)
     resume_arg = resume_choice(resume, resume_from, ctx.args)
     cfg = load_config(config).with_overrides(model=model, device=device)
     tasks = evaluation_tasks(cfg)  # checked now, not after the run
