@@ -33,6 +33,7 @@ from retrograd.training.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from retrograd.training.optim import AdamW
 from retrograd.training.report import SilentReporter
 
 STEPS = 6  # the finished run leaves step-1 … step-6
@@ -290,10 +291,10 @@ def test_a_malformed_manifest_named_on_the_command_line_exits_2(run_dir):
 
 
 def toy_state(seed: int) -> dict:
-    """What save_checkpoint takes, from a real AdamW that has taken two steps."""
+    """What save_checkpoint takes, from the loops' AdamW after two steps."""
     torch.manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    optimizer = AdamW(params, lr=1e-3, weight_decay=0.1)
     for _ in range(2):
         sum((p**2).sum() for p in params).backward()
         optimizer.step()
@@ -316,7 +317,7 @@ def test_optimizer_lora_and_rng_round_trip_exactly(tmp_path):
                            signature=state["signature"])
     expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
     checkpoint = load_checkpoint(path)
-    fresh = torch.optim.AdamW(state["params"], lr=1e-3, weight_decay=0.1)
+    fresh = AdamW(state["params"], lr=1e-3, weight_decay=0.1)
     fresh.load_state_dict(checkpoint.optimizer_state(fresh))
     saved, restored = state["optimizer"], fresh.state_dict()
     assert restored["param_groups"] == saved["param_groups"]

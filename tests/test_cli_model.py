@@ -2,7 +2,6 @@
 errors with exit code 2 for every kind of bad model file, answered (as train's bad
 arguments and config are) before torch is imported."""
 
-import os
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from imports import run_noting_import
 
 from retrograd.gguf.spec import SUPPORTED_ARCHS
 
@@ -93,16 +93,6 @@ def test_bad_model_files_give_one_line_errors(bad_files, case, needle):
         assert_one_line_error(run(command, "--model", path, timeout=60), path, needle)
 
 
-# Runs the command in this interpreter and says, after its one-line error, whether torch was imported.
-_STOPS_WITHOUT_TORCH = """import runpy, sys
-sys.argv = ["retrograd", *sys.argv[1:]]
-try:
-    runpy.run_module("retrograd", run_name="__main__")
-except SystemExit as e:
-    print(f"exit {e.code}, torch imported: {'torch' in sys.modules}")
-"""
-
-
 @pytest.mark.parametrize("args,needle", [
     (("inspect", "--model", "{tmp}/missing.gguf"), "missing.gguf"),
     (("inspect", "--model", "{tmp}/not.gguf"), "not a GGUF file"),
@@ -117,8 +107,7 @@ def test_bad_input_stops_before_torch_is_imported(tmp_path, args, needle):
     """Importing torch takes about 2 s: a mistyped path or key is answered without it."""
     (tmp_path / "not.gguf").write_text("text")
     (tmp_path / "bad.toml").write_text('[run]\nalgorithm = "sft"\n[lora]\nrnak = 4\n')
-    command = [sys.executable, "-c", _STOPS_WITHOUT_TORCH, *(a.format(tmp=tmp_path) for a in args)]
-    r = subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | {"RETROGRAD_ALLOCATOR": "system"})
+    r = run_noting_import("torch", *(a.format(tmp=tmp_path) for a in args))
     assert r.stdout.strip() == "exit 2, torch imported: False", (r.stdout, r.stderr)
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from retrograd.training.optim import AdamW
+
 WHITEN_EPSILON = 1e-8
 FEATURE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -66,7 +68,7 @@ class ValueHead:
         self.scale = n_embd**-0.5
         torch.nn.init.zeros_(self.linear.weight)
         torch.nn.init.zeros_(self.linear.bias)
-        self.optimizer = torch.optim.Adam(self.linear.parameters(), lr=lr)
+        self.optimizer = AdamW(self.linear.parameters(), lr=lr, weight_decay=0.0)  # Adam: no decay
 
     def _values(self, features: torch.Tensor) -> torch.Tensor:
         return self.linear(features.float() * self.scale)[:, 0]  # [n]

@@ -46,7 +46,7 @@ from safetensors.torch import load as load_tensors, save_file as save_tensors
 
 from retrograd.errors import DataError, RetrogradError
 from retrograd.runtime.owner import is_dead, process_tag
-from retrograd.training.optim import state_shape
+from retrograd.training.optim import Optimizer, state_shape
 
 FORMAT_VERSION = 2  # 1 held pickles (lora.pt, optimizer.pt, rng.pt)
 STATE_SUFFIX = ".state"
@@ -132,7 +132,7 @@ class Checkpoint:
         _check(self.path, name, len(data), hashlib.sha256(data), record)
         return data
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+    def optimizer_state(self, optimizer: Optimizer) -> dict:
         """The saved optimizer.state_dict(), shaped like `optimizer`'s own (tuples stay tuples)."""
         saved = self.document("optimizer.json")
         state = {int(k): dict(v) for k, v in saved["state"].items()}
@@ -149,7 +149,7 @@ class Checkpoint:
                   for group, now in zip(saved["param_groups"], live)]
         return {"state": state, "param_groups": groups}
 
-    def _check_state_shapes(self, state: dict, saved_groups: list, optimizer: torch.optim.Optimizer) -> None:
+    def _check_state_shapes(self, state: dict, saved_groups: list, optimizer: Optimizer) -> None:
         """Every saved tensor has the shape torch keeps for its parameter: load_state_dict takes
         any shape, and the first step would fail far from the file."""
         params = [param for group in optimizer.param_groups for param in group["params"]]

@@ -26,7 +26,7 @@ from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, k3_k
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.distributed import Ranks
 from retrograd.training.duty_cycle import DutyCycle
-from retrograd.training.optim import Schedule, clip_gradients
+from retrograd.training.optim import Optimizer, Schedule, clip_gradients
 from retrograd.training.scoring import Passes, Rollout, plan_passes, plan_shared, rollout_logprobs, scored_micro_batches
 from retrograd.training.timeline import PhaseClock
 
@@ -62,7 +62,7 @@ class PolicyOptimizer:
 
     reuse_first_forward = True  # False: a behaviour pass and a reference pass every update (tests compare)
 
-    def __init__(self, setup, optimizer: torch.optim.Optimizer, loss_options: PolicyLossOptions, schedule: Schedule,
+    def __init__(self, setup, optimizer: Optimizer, loss_options: PolicyLossOptions, schedule: Schedule,
                  logprob_options: LogprobOptions, duty: DutyCycle, micro_batch: int, seed: int, ranks: Ranks = Ranks()):
         self.setup, self.optimizer, self.loss_options = setup, optimizer, loss_options
         self.schedule, self.options, self.duty = schedule, logprob_options, duty

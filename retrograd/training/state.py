@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from retrograd.training.checkpoint import Checkpoint, CheckpointError, restore_rng, save_checkpoint, step_name
+from retrograd.training.optim import Optimizer
 
 
-def save_state(setup, optimizer: torch.optim.Optimizer, progress: dict, signature: dict, name: str) -> Path:
+def save_state(setup, optimizer: Optimizer, progress: dict, signature: dict, name: str) -> Path:
     """A checkpoint of the adapter (exact float32 and as a llama.cpp GGUF), optimizer, RNG
     and `progress` (the recipe's counters and data cursor)."""
     lora = {f"{n}.{part}": getattr(layer, f"lora_{part}") for n, layer in setup.adapter.layers.items() for part in "ab"}
@@ -21,7 +22,7 @@ def save_state(setup, optimizer: torch.optim.Optimizer, progress: dict, signatur
     )
 
 
-def restore_state(checkpoint: Checkpoint, setup, optimizer: torch.optim.Optimizer) -> dict:
+def restore_state(checkpoint: Checkpoint, setup, optimizer: Optimizer) -> dict:
     """Put the adapter, optimizer and RNG back as saved; returns the saved progress. Files that
     pass their checksums but do not fit this run (hand-made ones) stop with one line."""
     try:

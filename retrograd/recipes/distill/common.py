@@ -28,7 +28,7 @@ from retrograd.teacher import (
 )
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.checkpoint import file_fingerprint
-from retrograd.training.optim import clip_gradients
+from retrograd.training.optim import Optimizer, clip_gradients
 
 TEACHER_MICRO_BATCH = 1024  # tokens per torch teacher forward at least: no gradients, and a quantized
 # model dequantizes its weights once per forward (measured 3x faster than 256)
@@ -107,7 +107,7 @@ def distill_signature(setup: Setup, data_files: dict[str, Path]) -> dict:
     return signature(setup, data_files) | json.loads(json.dumps(extra, default=str))
 
 
-def apply_step(setup: Setup, optimizer: torch.optim.Optimizer, params, loss: float, step: int, max_grad_norm: float) -> float:
+def apply_step(setup: Setup, optimizer: Optimizer, params, loss: float, step: int, max_grad_norm: float) -> float:
     """Clip and step (the gradients are accumulated); a non-finite loss stops the run first."""
     if not math.isfinite(loss):
         raise setup.diverged(
