@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from test_cli_resume import one_line_error, train, write_run
 
 from retrograd.config import load_config
+from retrograd.kernels.optim import AdamW
 from retrograd.recipes import sft
 from retrograd.runtime.owner import process_tag
 from retrograd.training.checkpoint import (
@@ -33,7 +34,6 @@ from retrograd.training.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from retrograd.training.optim import AdamW
 from retrograd.training.report import SilentReporter
 
 STEPS = 6  # the finished run leaves step-1 … step-6

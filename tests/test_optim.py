@@ -8,7 +8,7 @@ import torch
 from imports import run_noting_import
 from test_sft import write_config
 
-from retrograd.training.optim import SGD, AdamW
+from retrograd.kernels.optim import SGD, AdamW
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from retrograd.training.optim import AdamW
+from retrograd.kernels.optim import AdamW
 
 WHITEN_EPSILON = 1e-8
 FEATURE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

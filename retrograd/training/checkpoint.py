@@ -45,8 +45,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors, save_file as save_tensors
 
 from retrograd.errors import DataError, RetrogradError
+from retrograd.kernels.optim import Optimizer
 from retrograd.runtime.owner import is_dead, process_tag
-from retrograd.training.optim import Optimizer, state_shape
+from retrograd.training.optim import state_shape
 
 FORMAT_VERSION = 2  # 1 held pickles (lora.pt, optimizer.pt, rng.pt)
 STATE_SUFFIX = ".state"

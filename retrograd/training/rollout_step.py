@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from retrograd.kernels.optim import Optimizer
 from retrograd.objectives.policy import MinibatchCounts, PolicyLossOptions, k3_kl, merge_diagnostics, policy_loss
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.distributed import Ranks
 from retrograd.training.duty_cycle import DutyCycle
-from retrograd.training.optim import Optimizer, Schedule, clip_gradients
+from retrograd.training.optim import Schedule, clip_gradients
 from retrograd.training.scoring import Passes, Rollout, plan_passes, plan_shared, rollout_logprobs, scored_micro_batches
 from retrograd.training.timeline import PhaseClock
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from retrograd.kernels.optim import Optimizer
 from retrograd.training.checkpoint import Checkpoint, CheckpointError, restore_rng, save_checkpoint, step_name
-from retrograd.training.optim import Optimizer
 
 
 def save_state(setup, optimizer: Optimizer, progress: dict, signature: dict, name: str) -> Path:

@@ -17,6 +17,7 @@ from retrograd.data import ChatFormat, resolve_chat_template
 from retrograd.errors import ConfigError
 from retrograd.gguf.file import GGUFFile
 from retrograd.gguf.spec import read_spec
+from retrograd.kernels.optim import Optimizer
 from retrograd.model.tokenizer import Tokenizer
 from retrograd.recipes.common import (
     Setup,
@@ -28,7 +29,7 @@ from retrograd.teacher import (
 )
 from retrograd.training.batches import LogprobOptions
 from retrograd.training.checkpoint import file_fingerprint
-from retrograd.training.optim import Optimizer, clip_gradients
+from retrograd.training.optim import clip_gradients
 
 TEACHER_MICRO_BATCH = 1024  # tokens per torch teacher forward at least: no gradients, and a quantized
 # model dequantizes its weights once per forward (measured 3x faster than 256)
