@@ -37,9 +37,9 @@ class Optimizer:
         return {"state": {number[p]: dict(s) for p, s in self.state.items()}, "param_groups": groups}
 
     def load_state_dict(self, saved: dict) -> None:
-        """Saved moments cast to their parameter's device and dtype (the step count keeps its
-        own), saved hyperparameters over the live ones; keys torch adds that we do not use
-        (amsgrad, foreach, ...) are ignored."""
+        """Saved moments cast to their parameter's device and dtype, the step count on the CPU
+        (as torch keeps it: reading it is then no device sync), saved hyperparameters over the
+        live ones; keys torch adds that we do not use (amsgrad, foreach, ...) are ignored."""
         groups = saved["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(g["params"]) != len(live["params"]) for g, live in zip(groups, self.param_groups)):
@@ -48,7 +48,8 @@ class Optimizer:
         self.state = {}
         for number, fields in saved["state"].items():
             p = params[int(number)]
-            self.state[p] = {k: v.to(p.device, None if k == "step" else p.dtype, copy=True) for k, v in fields.items()}
+            self.state[p] = {k: v.to("cpu", copy=True) if k == "step" else v.to(p.device, p.dtype, copy=True)
+                             for k, v in fields.items()}
         for group, live in zip(groups, self.param_groups):
             live.update({k: group[k] for k in live if k != "params"})
 
