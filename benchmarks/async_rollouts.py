@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from retrograd.reports.profile import timeline_summary
+from retrograd.reports.timeline import timeline_summary
 from retrograd.runtime.device import cpu_name
 
 

@@ -14,7 +14,7 @@ from test_grpo import metrics, one_line_error, write_config
 
 from retrograd.config import load_config
 from retrograd.recipes import grpo
-from retrograd.reports.profile import timeline_summary
+from retrograd.reports.timeline import timeline_summary
 from retrograd.training.report import SilentReporter
 from retrograd.training.timeline import TIMELINE_COUNTERS, read_timeline
 

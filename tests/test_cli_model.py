@@ -101,8 +101,9 @@ def test_bad_model_files_give_one_line_errors(bad_files, case, needle):
     (("train", "{tmp}/missing.toml"), "missing.toml"),
     (("train", "{tmp}/bad.toml"), "lora.rnak: unknown key"),
     (("train", "{tmp}/bad.toml", "--resume", "ckpt"), "--resume takes no value"),
+    (("profile", "--timeline", "{tmp}/not.gguf"), "not.gguf:1: not a timeline.jsonl line"),
 ], ids=["inspect missing", "inspect not gguf", "preflight directory", "preflight missing config", "train missing config",
-        "train bad key", "train resume with a value"])
+        "train bad key", "train resume with a value", "profile damaged timeline"])
 def test_bad_input_stops_before_torch_is_imported(tmp_path, args, needle):
     """Importing torch takes about 2 s: a mistyped path or key is answered without it."""
     (tmp_path / "not.gguf").write_text("text")

@@ -31,17 +31,20 @@ def profile(
     from retrograd.cli.train import sampler_warning
     from retrograd.config import load_config
     from retrograd.errors import ConfigError
-    from retrograd.reports.profile import Workload, profile as run_profile, timeline_summary
 
     if timeline is not None:
         if config is not None:
             raise ConfigError("profile: give a CONFIG to run or --timeline to read, not both")
+        from retrograd.reports.timeline import timeline_summary  # no torch: reading a file takes well under a second
+
         typer.echo("\n".join(timeline_summary(timeline)))
         return
     if config is None:
         raise ConfigError("profile: expected a CONFIG.toml to run (or --timeline TIMELINE_JSONL)")
 
     cfg = load_config(config).with_overrides(model=model, device=device)
+    from retrograd.reports.profile import Workload, profile as run_profile  # imports torch: after the config is checked
+
     warning = sampler_warning(cfg)
     if warning:
         typer.echo(warning)
