@@ -29,8 +29,8 @@ RETROGRAD = [sys.executable, "-m", "retrograd"]
 
 
 
-def write_config(tmp: Path, model: Path, *, extra: str = "", training: str = "", checkpoint: str = "") -> Path:
-    data = write_chat(tmp / "train.jsonl", 24)
+def write_config(tmp: Path, model: Path, *, extra: str = "", training: str = "", checkpoint: str = "", examples: int = 24) -> Path:
+    data = write_chat(tmp / "train.jsonl", examples)
     cfg = tmp / "run.toml"
     cfg.write_text(
         f"""
@@ -83,7 +83,7 @@ def test_exported_adapter_reproduces_our_model_in_llama_cpp(tmp_path, tiny_model
 
 
 def test_exported_adapter_on_quantized_smollm2(tmp_path, smollm2, ordinary_text):
-    cfg = write_config(tmp_path, smollm2)
+    cfg = write_config(tmp_path, smollm2, examples=8)  # 4 steps move the logits by ~10 already; 12 took 17 s
     # bf16 where the CPU has it natively; emulated bf16 (AVX2 only) made this test take 166 s
     cfg.write_text(cfg.read_text().replace('compute_dtype = "f32"', 'compute_dtype = "auto"'))
     result = sft.run(load_config(cfg), SilentReporter())
@@ -93,7 +93,7 @@ def test_exported_adapter_on_quantized_smollm2(tmp_path, smollm2, ordinary_text)
     kl, top1 = agreement(ref, model.logits(ids))
     assert kl <= 1.5e-2 and top1 >= 0.90, (kl, top1)
     base_ref = llama_logits(smollm2, ids, kv_f32=False)
-    assert (ref - base_ref).abs().max() > 0.1
+    assert (ref - base_ref).abs().max() > 1.0
 
 
 def losses_by_step(metrics: Path) -> dict[int, list[float]]:

@@ -24,11 +24,11 @@ from retrograd.config import Config
 from retrograd.errors import ConfigError
 from retrograd.recipes import agent_grpo, grpo
 from retrograd.recipes.common import compute_dtype
+from retrograd.reports.timeline import timeline_summary
 from retrograd.runtime.device import resolve_device
 from retrograd.training.metrics import run_record
 from retrograd.training.report import SilentReporter
 from retrograd.training.rollout_loop import RolloutResult
-from retrograd.reports.timeline import timeline_summary
 
 PHASE_LABELS = {  # every phase a rollout recipe times, in report order; each recipe has some
     "environment": "sandboxes (acquire, setup, release)",
