@@ -1,6 +1,7 @@
 """Packing: several examples in one row see nothing of each other; gradient checkpointing
 gives the gradients of the plain forward."""
 
+import pytest
 import torch
 
 import retrograd
@@ -8,6 +9,7 @@ from retrograd.data import TokenSequence
 from retrograd.kernels.frozen import FrozenWeight
 from retrograd.model.activation_memory import Merging
 from retrograd.model.lora import attach_lora
+from retrograd.model.recompute import checkpoint_segment
 from retrograd.training.batches import Group, batch_logprobs, merge_micro_batches, pack, plan_micro_batches
 from retrograd.training.optim import learning_rate
 
@@ -75,16 +77,60 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model):
         return [p.grad.clone() for p in adapter.parameters()]
 
     plain = grads()
+    for every in (1, 2):  # the recomputation repeats the forward's arithmetic: equal, bit for bit
+        model.checkpoint_every = every
+        assert all(torch.equal(g, h) for g, h in zip(plain, grads())), every
     model.checkpoint_every = 1
-    for g, h in zip(plain, grads()):
-        torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
     model.checkpoint_dtype = torch.bfloat16  # block inputs kept in bf16: close, not equal
     rel = [float((g - h).norm() / g.norm()) for g, h in zip(plain, grads()) if g.norm() > 0]
     assert max(rel) < 0.05 and max(rel) > 0
 
 
+def test_our_checkpointing_equals_torchs_bit_for_bit(tiny_model, monkeypatch):
+    """model/recompute.py against torch.utils.checkpoint (non-reentrant), which it replaces to
+    keep torch._dynamo out of a run: the same gradients, also with bf16 block inputs."""
+    from torch.utils.checkpoint import checkpoint
+
+    import retrograd.model.transformer as transformer
+
+    model = retrograd.load_model(tiny_model("llama")).transformer
+    adapter = attach_lora(model, ["auto"], 4, 8.0, seed=0)
+    with torch.no_grad():
+        for layer in adapter.layers.values():
+            layer.lora_b.normal_(0, 0.02)
+    batch = pack([seq(range(200, 260)), seq(range(300, 330))])
+
+    def grads():
+        for p in adapter.parameters():
+            p.grad = None
+        batch_logprobs(model, batch).sum().backward()
+        return [p.grad.clone() for p in adapter.parameters()]
+
+    for every, dtype in ((1, torch.float32), (2, torch.float32), (1, torch.bfloat16)):
+        model.checkpoint_every, model.checkpoint_dtype = every, dtype
+        ours = grads()
+        with monkeypatch.context() as m:
+            m.setattr(transformer, "checkpoint_segment", lambda fn, *args: checkpoint(fn, *args, use_reentrant=False))
+            theirs = grads()
+        assert all(torch.equal(g, h) for g, h in zip(ours, theirs)), (every, dtype)
+
+
+def test_a_recomputation_that_saves_something_else_is_refused():
+    """A segment whose forward is not a pure function of its inputs would get wrong
+    gradients silently; the recomputation compares what it saves with what the forward did."""
+    calls = []
+
+    def segment(x):
+        calls.append(1)
+        return (x * x).sum() if len(calls) == 1 else (x[:2] * x[:2]).sum()
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"recomputed segment saved tensor 0 as \(2,\) torch.float32, its forward as \(4,\) torch.float32"):
+        checkpoint_segment(segment, x).backward()
+
+
 def test_a_checkpointed_pass_recomputes_all_but_each_segments_down_projection(tiny_model, monkeypatch):
-    """torch's recomputation stops at a checkpointed segment's last saved tensor (its down
+    """The recomputation stops at a checkpointed segment's last saved tensor (its down
     projection's LoRA factors), before that projection's base matmul. So at a checkpoint per
     block each down projection is read twice per step (forward, backward), the other
     projections three times (forward, recomputation, backward). The gradients are those of

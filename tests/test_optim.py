@@ -77,9 +77,10 @@ def test_state_of_another_shape_of_optimizer_is_refused():
 
 
 def test_a_training_run_does_not_import_torch_dynamo(tmp_path, tiny_model):
-    """torch.optim's first step imports torch._dynamo (2 s on a 2-core CPU); a run with our
-    optimizer, gradient clipping and a checkpoint never does."""
-    cfg = write_config(tmp_path, tiny_model("llama"), training="epochs = 1\nmax_grad_norm = 1.0",
+    """torch.optim's first step and torch.utils.checkpoint import torch._dynamo (2 s on a 2-core
+    CPU); a run with our optimizer, gradient clipping, gradient checkpointing (model/recompute.py)
+    and a checkpoint never does."""
+    cfg = write_config(tmp_path, tiny_model("llama"), training="epochs = 1\nmax_grad_norm = 1.0\ngradient_checkpointing = true",
                        checkpoint='[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 2')
     r = run_noting_import("torch._dynamo", "train", str(cfg), cwd=tmp_path, timeout=300)
     assert r.stdout.strip().splitlines()[-1] == "exit 0, torch._dynamo imported: False", (r.stdout, r.stderr[-2000:])

@@ -147,9 +147,9 @@ class _LoRADelta(torch.autograd.Function):
 
     LoRALinear adds the base output into this delta after computing it, so a projection's last
     saved tensors are this node's: the base matmul saves nothing (kernels/frozen.py). A
-    checkpointed pass's recomputation stops as soon as it has every saved tensor back (torch's
-    early stop), so it skips the base matmul of each checkpointed segment's last projection:
-    with a checkpoint per block, every down projection."""
+    checkpointed pass's recomputation stops as soon as it has every saved tensor back
+    (model/recompute.py), so it skips the base matmul of each checkpointed segment's last
+    projection: with a checkpoint per block, every down projection."""
 
     @staticmethod
     def forward(ctx, x, a, b, scale: float):

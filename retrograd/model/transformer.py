@@ -28,12 +28,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from retrograd.gguf.spec import ModelSpec
 from retrograd.kernels.frozen import FrozenWeight
 from retrograd.model.layers import FrozenLinear, GatedProduct
 from retrograd.model.moe import MoEFeedForward
+from retrograd.model.recompute import checkpoint_segment
 
 
 class RMSNorm(nn.Module):
@@ -503,7 +503,7 @@ class Transformer(nn.Module):
             # the recomputation stops at the segment's last saved tensor, before its last down
             # projection's base matmul (see retrograd.model.lora._LoRADelta); not under gemma's
             # sandwich norms, whose post-FFN norm saves that matmul's output
-            x = checkpoint(run, segment, x.to(self.checkpoint_dtype), use_reentrant=False)
+            x = checkpoint_segment(run, segment, x.to(self.checkpoint_dtype))
         return self.output_norm(x)
 
     def head(self, hidden: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
