@@ -102,12 +102,14 @@ def test_bad_model_files_give_one_line_errors(bad_files, case, needle):
     (("train", "{tmp}/bad.toml"), "lora.rnak: unknown key"),
     (("train", "{tmp}/bad.toml", "--resume", "ckpt"), "--resume takes no value"),
     (("profile", "--timeline", "{tmp}/not.gguf"), "not.gguf:1: not a timeline.jsonl line"),
+    (("collect", "{tmp}/sft.toml", "--out", "{tmp}/out.jsonl"), "run.algorithm = 'sft'; collect rolls out agent_grpo configs"),
 ], ids=["inspect missing", "inspect not gguf", "preflight directory", "preflight missing config", "train missing config",
-        "train bad key", "train resume with a value", "profile damaged timeline"])
+        "train bad key", "train resume with a value", "profile damaged timeline", "collect of an sft config"])
 def test_bad_input_stops_before_torch_is_imported(tmp_path, args, needle):
     """Importing torch takes about 2 s: a mistyped path or key is answered without it."""
     (tmp_path / "not.gguf").write_text("text")
     (tmp_path / "bad.toml").write_text('[run]\nalgorithm = "sft"\n[lora]\nrnak = 4\n')
+    (tmp_path / "sft.toml").write_text('[run]\nalgorithm = "sft"\n[output]\npath = "out/a.gguf"\n[sft]\ndata = "d.jsonl"\n')
     r = run_noting_import("torch", *(a.format(tmp=tmp_path) for a in args))
     assert r.stdout.strip() == "exit 2, torch imported: False", (r.stdout, r.stderr)
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr

@@ -21,7 +21,8 @@ from retrograd.config import load_config
 from retrograd.data.preference import load_preference
 from retrograd.data.sft import load_sft
 from retrograd.errors import DataError
-from retrograd.evaluation.collect import CollectOptions, check_request, collect_with
+from retrograd.evaluation.collect import collect_with
+from retrograd.evaluation.collect_request import CollectOptions, check_request
 from retrograd.recipes.agent_grpo import open_task
 from retrograd.rollouts import agent
 from retrograd.sampler import Completion

@@ -64,13 +64,16 @@ def collect(
     """Roll out an agent_grpo config's scenarios (nothing is trained) and write the successful traces as SFT tool records."""
     from retrograd.config import load_config
     from retrograd.errors import ConfigError
-    from retrograd.evaluation.collect import CollectOptions, collect as run_collect
+    from retrograd.evaluation.collect_request import CollectOptions, check_request
 
     if api and device is not None:
         raise ConfigError("--device applies to the local model, not to --api (whose --model only renders and counts the records)")
     cfg = load_config(config).with_overrides(model=model, device=device)
     options = CollectOptions(out=out, k=k, keep=keep, min_reward=min_reward, require_verified=require_verified, limit=limit, seed=seed, report=report,
                              force=force, pairs=pairs, min_gap=min_gap, adapter=adapter, api=api, structured=structured)
+    check_request(cfg, options)  # before the collector's imports (torch: about 2 s)
+    from retrograd.evaluation.collect import collect as run_collect
+
     reporter = ConsoleReporter()
     reporter.message("collect")
     reporter.message(f"  config: {cfg.path}")

@@ -44,7 +44,8 @@ from retrograd.config import Config
 from retrograd.data.sft import chat_example
 from retrograd.data.shapes import Chat
 from retrograd.data.tools import ERROR_PREFIX, ToolCall, assistant_message, text_around_calls
-from retrograd.errors import ConfigError, DataError
+from retrograd.errors import DataError
+from retrograd.evaluation.collect_request import CollectOptions, check_request
 from retrograd.gguf.adapter import read_fitting_adapter
 from retrograd.gguf.file import GGUFFile
 from retrograd.recipes.agent_grpo import AgentRecipe, AgentTask, ScoredTrajectory, open_task, sampler_options
@@ -58,28 +59,6 @@ from retrograd.training.timeline import PhaseClock
 SUCCESS_REWARD = 1.0  # without min_reward a trace is kept when verify passed or its reward reaches this
 NOT_A_CALL = (ERROR_PREFIX + NO_CALL, ERROR_PREFIX + NO_STRUCTURED_CALL)  # notes of a turn without a call: not malformed
 DEFAULT_MIN_GAP = 0.5
-
-
-@dataclass(frozen=True)
-class CollectOptions:
-    out: Path
-    k: int | None = None  # trajectories per scenario (default agent.group_size)
-    keep: int = 1  # records per scenario
-    min_reward: float | None = None  # None: keep successful traces (see `successful`)
-    require_verified: bool = False  # keep only traces a scenario's verify command passed (not judged ones)
-    limit: int | None = None  # the first N scenarios
-    seed: int | None = None  # default agent.seed
-    report: Path | None = None
-    force: bool = False
-    pairs: bool = False
-    min_gap: float | None = None  # pairs only (default DEFAULT_MIN_GAP)
-    adapter: Path | None = None  # default lora.init_adapter; None there too: the base model
-    api: bool = False  # roll out with [agent.collect_api]'s endpoint instead of the local model
-    structured: bool | None = None  # records' turns as content + tool_calls; None: raw locally, structured with api
-
-    @property
-    def form(self) -> RecordForm:
-        return STRUCTURED if (self.api if self.structured is None else self.structured) else RAW
 
 
 @dataclass(frozen=True)
@@ -122,22 +101,6 @@ class Kept:
 
     scored: ScoredTrajectory
     record: dict
-
-
-def check_request(cfg: Config, options: CollectOptions) -> None:
-    """What is refused before anything loads."""
-    if cfg.run.algorithm != "agent_grpo":
-        raise ConfigError(f"{cfg.path}: run.algorithm = {cfg.run.algorithm!r}; collect rolls out agent_grpo configs")
-    if options.out.exists() and not options.force:
-        raise DataError(f"--out {options.out}: the file exists; pass --force to overwrite it")
-    if options.min_gap is not None and not options.pairs:
-        raise ConfigError("--min-gap applies to --pairs only")
-    if options.api and cfg.agent.collect_api is None:
-        raise ConfigError(f"{cfg.path}: --api needs an [agent.collect_api] table (base_url, model) naming the endpoint")
-    if options.api and options.structured is False:
-        raise ConfigError("--raw needs the local model's own tokens; with --api the records are structured")
-    if options.api and options.adapter is not None:
-        raise ConfigError("--adapter applies to the local model, not to --api")
 
 
 def collect(cfg: Config, options: CollectOptions, reporter: Reporter) -> CollectResult:
@@ -261,7 +224,7 @@ def ranked(group: list[ScoredTrajectory]) -> list[ScoredTrajectory]:
 def select(task: AgentTask, group: list[ScoredTrajectory], options: CollectOptions, keep: int) -> tuple[list[Kept], Counter]:
     """Up to `keep` traces of one scenario, best first, none an exact duplicate of another,
     each reproducible; and every other trace's cause."""
-    form = options.form
+    form = STRUCTURED if options.structured_records else RAW
     kept: list[Kept] = []
     causes: Counter = Counter()
     for s in ranked(group):
@@ -375,7 +338,7 @@ def _pair_lines(task: AgentTask, group: list[ScoredTrajectory], options: Collect
     prompt = _prompt(chosen.record)
     if not _answer_only(chosen.record, prompt):
         return [], causes + Counter({"pair: a user note in the best trace": 1})
-    form = options.form
+    form = STRUCTURED if options.structured_records else RAW
     complete = [s for s in ranked(group)[::-1] if s is not chosen.scored and drop_cause(s, float("-inf")) is None]
     rejected = next((Kept(s, r) for s in complete
                      if _answer_only(r := form.record(s.trajectory, s.reward), prompt) and not _same(r, chosen.record)
