@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from imports import run_noting_import
 from lora_files import random_adapter
 
 from retrograd.cli.serve import MAX_QUEUE, MAX_REQUEST_BYTES, bind, named_adapters
@@ -378,6 +379,15 @@ def test_a_public_address_without_a_key_is_refused_in_one_line():
     run = subprocess.run(serve_command("--api-key", " "), env=without_key(), capture_output=True, text=True,
                          check=False, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "empty" in run.stderr
+
+
+@pytest.mark.parametrize("args", [("--host", "0.0.0.0"), ("--api-key", " ")], ids=["public address", "empty key"])
+def test_a_refused_key_is_answered_before_the_server_is_imported(monkeypatch, args):
+    """uvicorn, fastapi and llama.cpp take about a second to import: a refusal needs none of them."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    run = run_noting_import("uvicorn", "serve", *args)
+    assert run.stdout.strip() == "exit 2, uvicorn imported: False", (run.stdout, run.stderr)
+    assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1
 
 
 def test_prompts_are_tokenized_off_the_event_loop(in_process, monkeypatch):

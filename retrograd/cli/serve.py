@@ -50,6 +50,8 @@ def serve(
     ] = MAX_QUEUE,
 ) -> None:
     """Serve the model as `base` and each adapter by name at /v1 (chat/completions, completions, models)."""
+    key = resolve_api_key(api_key)
+    require_key_off_loopback(host, key)  # before the server's imports (uvicorn, fastapi, llama.cpp: about 1 s)
     import uvicorn
 
     from retrograd.runtime.bundled import default_model_path
@@ -57,8 +59,6 @@ def serve(
     from retrograd.serving.serve import create_app
 
     adapters = named_adapters(adapter or [])
-    key = resolve_api_key(api_key)
-    require_key_off_loopback(host, key)
     sock = bind(host, port)
     with (
         sock,
