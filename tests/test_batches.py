@@ -62,8 +62,9 @@ def test_shared_prefix_equals_each_member_on_its_own(tiny_model):
         torch.testing.assert_close(shared[: sum(map(len, completions))], torch.cat(alone), rtol=1e-5, atol=1e-5)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(tiny_model):
-    model = retrograd.load_model(tiny_model("qwen3")).transformer
+def lora_gradients(model):
+    """A rank-4 LoRA on every family, B drawn (so A gets gradients too), and a function
+    returning the adapter's gradients of one packed two-row batch."""
     adapter = attach_lora(model, ["auto"], 4, 8.0, seed=0)
     with torch.no_grad():
         for layer in adapter.layers.values():
@@ -76,6 +77,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model):
         batch_logprobs(model, batch).sum().backward()
         return [p.grad.clone() for p in adapter.parameters()]
 
+    return grads
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model):
+    model = retrograd.load_model(tiny_model("qwen3")).transformer
+    grads = lora_gradients(model)
     plain = grads()
     for every in (1, 2):  # the recomputation repeats the forward's arithmetic: equal, bit for bit
         model.checkpoint_every = every
@@ -94,18 +101,7 @@ def test_our_checkpointing_equals_torchs_bit_for_bit(tiny_model, monkeypatch):
     import retrograd.model.transformer as transformer
 
     model = retrograd.load_model(tiny_model("llama")).transformer
-    adapter = attach_lora(model, ["auto"], 4, 8.0, seed=0)
-    with torch.no_grad():
-        for layer in adapter.layers.values():
-            layer.lora_b.normal_(0, 0.02)
-    batch = pack([seq(range(200, 260)), seq(range(300, 330))])
-
-    def grads():
-        for p in adapter.parameters():
-            p.grad = None
-        batch_logprobs(model, batch).sum().backward()
-        return [p.grad.clone() for p in adapter.parameters()]
-
+    grads = lora_gradients(model)
     for every, dtype in ((1, torch.float32), (2, torch.float32), (1, torch.bfloat16)):
         model.checkpoint_every, model.checkpoint_dtype = every, dtype
         ours = grads()
