@@ -1,5 +1,5 @@
 """An FFN's gated product silu(gate) * up, fused with the LoRA deltas on gate and up, in C for
-the CPU (built by kernels/native.py), for bf16 and for float32 compute.
+the CPU (built by retrograd/runtime/native.py), for bf16 and for float32 compute.
 
 In torch (bf16) the forward is nine passes over [tokens, n_ff] tensors per layer (each delta added
 into a float32 copy of its projection, both rounded for backward, silu, the product, its
@@ -24,7 +24,7 @@ from functools import cache
 
 import torch
 
-from retrograd.kernels import native
+from retrograd.runtime import native
 
 COMMON = native.BF16 + r"""
 #include <omp.h>

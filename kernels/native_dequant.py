@@ -1,4 +1,4 @@
-"""GGUF block dequantizers in C for the CPU, built once per machine (kernels/native.py)
+"""GGUF block dequantizers in C for the CPU, built once per machine (retrograd/runtime/native.py)
 and called through ctypes.
 
 torch.compile's kernels for the block types ran at 0.6-3.4 GiB/s of float32 output on our
@@ -18,7 +18,7 @@ from functools import cache
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from retrograd.kernels import native
+from retrograd.runtime import native
 
 SOURCE = native.BF16 + r"""
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from retrograd.kernels import native, native_dequant
+from retrograd.kernels import native_dequant
 from retrograd.kernels.dequant import CODECS, dequantize
 from retrograd.kernels.frozen import FrozenWeight, frozen_linear
+from retrograd.runtime import native
 
 # byte ranges holding float16 scales in each block: random bytes there could be NaN/inf
 F16_FIELDS = {
