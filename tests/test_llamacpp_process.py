@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf_factory import write_tiny_model
 
 from retrograd.gguf.file import GGUFFile
-from retrograd.runtime.llamacpp import AMX_BUILD, REPACK_BUFFER
+from retrograd.runtime.llamacpp import AMX_BUILD, AMX_MATMUL, REPACK_BUFFER
 
 HEADER = """
 import gc, os, sys
@@ -88,12 +88,14 @@ def test_llama_cpp_logs_safely_after_module_teardown(tmp_path, show_logs):
 
 
 @pytest.mark.skipif(REPACK_BUFFER is None, reason="this llama.cpp build has no CPU_REPACK buffer")
-def test_q4_0_weights_are_repacked_from_a_read_file_and_decode_as_a_plain_load(tmp_path):
-    """The sampler's model load reads, not maps, a file whose Q4_0 weights CPU_REPACK holds,
-    and those weights go there: on an AMX build by name (llama.cpp's log says so), and only
-    the matmul weights (not the embedding table, read by row); elsewhere by llama.cpp's own
-    choice. The logits are those of llama.cpp loading the file plainly (mapped). A file without
-    such weights (Q8_0) is still mapped."""
+@pytest.mark.parametrize("amx_setting", ["", "off"], ids=["amx-as-checked", "RETROGRAD_LLAMA_AMX=off"])
+def test_q4_0_weights_are_repacked_from_a_read_file_and_decode_as_a_plain_load(tmp_path, amx_setting):
+    """The sampler's model load reads, not maps, a file whose Q4_0 weights CPU_REPACK (or AMX)
+    holds, and those weights go there: where AMX's matmul works, to the AMX buffer; on an AMX
+    build where it does not, to CPU_REPACK by name (llama.cpp's log says so), and only the
+    matmul weights (not the embedding table, read by row); elsewhere by llama.cpp's own
+    choice. The logits are those of llama.cpp loading the file plainly (mapped). A file
+    without such weights (Q8_0, which only AMX holds) is still mapped."""
     model = write_tiny_model(tmp_path / "tiny-q4_0.gguf", "llama", qtype=QT.Q4_0)
     other = write_tiny_model(tmp_path / "tiny-q8_0.gguf", "llama", qtype=QT.Q8_0)
     expected = {name for name, t in GGUFFile(model).tensors.items()
@@ -115,11 +117,13 @@ def test_q4_0_weights_are_repacked_from_a_read_file_and_decode_as_a_plain_load(t
         llm.close()
         print("max dlogit", float(np.abs(ours - plain).max()), "max logit", float(np.abs(plain).max()), flush=True)
         engine({str(other)!r}).close()
-    """, env={"RETROGRAD_LLAMA_LOG": "1"})
+    """, env={"RETROGRAD_LLAMA_LOG": "1", "RETROGRAD_LLAMA_AMX": amx_setting})
+    amx = AMX_MATMUL and amx_setting != "off"
     # one line per load, in order: ours (Q4_0), llama-cpp-python's (Q4_0), ours (Q8_0)
-    assert re.findall(r"\(load_mode = (\w+)\)", r.stderr) == ["none", "mmap", "mmap"], r.stderr[-3000:]
-    assert re.search(r"CPU_REPACK model buffer size", r.stderr), r.stderr[-3000:]
+    q8_0_load = "none" if amx else "mmap"
+    assert re.findall(r"\(load_mode = (\w+)\)", r.stderr) == ["none", "mmap", q8_0_load], r.stderr[-3000:]
+    assert re.search(f"{'AMX' if amx else 'CPU_REPACK'} model buffer size", r.stderr), r.stderr[-3000:]
     repacked = set(re.findall(r"tensor (\S+) \(.*\) buffer type overridden to CPU_REPACK", r.stderr))
-    assert repacked == (expected if AMX_BUILD else set()) and len(expected) == 14
+    assert repacked == (expected if AMX_BUILD and not amx else set()) and len(expected) == 14
     gap, scale = map(float, re.search(r"max dlogit (\S+) max logit (\S+)", r.stdout).groups())
     assert gap < 1e-3 * scale, (gap, scale)

@@ -4,6 +4,7 @@ CUDA but llama.cpp does not, where the sampler runs, and benchmarks/gpu_check.sh
 on a machine without a GPU. The GPU path itself needs a GPU: benchmarks/gpu_check.sh."""
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +16,8 @@ from retrograd.runtime.llamacpp import C, gpu_devices, gpu_offload_warning
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_LINE = "GPU 0: NVIDIA H200 (UUID: GPU-0)"
+# on x86 llama.cpp is built keeping the AMX tile configuration's stores (retrograd/runtime/amx_check.py)
+FLAGS = "+fno-dse" if platform.machine() == "x86_64" else ""
 
 
 def fake_tool(folder: Path, name: str, body: str) -> None:
@@ -56,8 +59,18 @@ def commands(result) -> list[str]:
     return [line.removeprefix("would run: ") for line in result.stdout.splitlines() if line.startswith("would run: ")]
 
 
-def cuda_build(result) -> str | None:
+def llama_build(result) -> str | None:
     return next((c for c in commands(result) if "CMAKE_ARGS=" in c), None)
+
+
+def cuda_build(result) -> str | None:
+    build = llama_build(result)
+    return build if build and "-DGGML_CUDA=on" in build else None
+
+
+def cpu_build(result) -> str | None:
+    build = llama_build(result)
+    return build if build and "-DGGML_CUDA=off" in build and "CUDACXX" not in build else None
 
 
 def test_setup_builds_llama_cpp_with_cuda_where_there_is_a_compiler(checkout):
@@ -72,7 +85,7 @@ def test_setup_builds_llama_cpp_with_cuda_where_there_is_a_compiler(checkout):
     steps = commands(r)
     assert steps.index(build) < steps.index("pip install -q -e ."), "the CUDA build comes before the package pulls a CPU one"
     assert "pip install -q torch" in steps  # CUDA torch where there is a GPU
-    assert r.stdout.rstrip().endswith(" llama.cpp=cuda base"), "the stamp records the backend"
+    assert r.stdout.rstrip().endswith(f" llama.cpp=cuda{FLAGS} base"), "the stamp records the backend"
 
 
 def test_setup_finds_nvcc_in_cuda_home(checkout):
@@ -87,9 +100,9 @@ def test_setup_with_a_compiler_but_no_gpu_builds_for_the_cpu(checkout):
     r = setup_dry_run(checkout, nvcc=True)
     assert r.returncode == 0, r.stderr
     assert "llama.cpp backend cpu (GPU: none" in r.stderr and "warning" not in r.stderr
-    assert cuda_build(r) is None
+    assert cuda_build(r) is None and cpu_build(r) is not None
     assert "pip install -q torch==2.13.0" in commands(r)  # no GPU: the CPU torch wheel
-    assert r.stdout.rstrip().endswith(" llama.cpp=cpu base")
+    assert r.stdout.rstrip().endswith(f" llama.cpp=cpu{FLAGS} base")
 
 
 def test_setup_warns_when_a_gpu_has_no_compiler(checkout):
@@ -98,8 +111,8 @@ def test_setup_warns_when_a_gpu_has_no_compiler(checkout):
     assert "llama.cpp backend cpu" in r.stderr
     warning = [line for line in r.stderr.splitlines() if "warning" in line]
     assert len(warning) == 1 and "no CUDA compiler" in warning[0] and "rerun bin/setup" in warning[0], r.stderr
-    assert cuda_build(r) is None
-    assert r.stdout.rstrip().endswith(" llama.cpp=cpu base")
+    assert cuda_build(r) is None and cpu_build(r) is not None
+    assert r.stdout.rstrip().endswith(f" llama.cpp=cpu{FLAGS} base")
 
 
 def test_setup_without_gpu_or_compiler_builds_for_the_cpu_quietly(checkout):
@@ -107,15 +120,29 @@ def test_setup_without_gpu_or_compiler_builds_for_the_cpu_quietly(checkout):
     assert r.returncode == 0, r.stderr
     assert "llama.cpp backend cpu (GPU: none" in r.stderr and "warning" not in r.stderr
     assert cuda_build(r) is None and "pip install -q -e .[test]" in commands(r)
-    assert r.stdout.rstrip().endswith(" llama.cpp=cpu test")
+    steps = commands(r)
+    assert steps.index(cpu_build(r)) < steps.index("pip install -q -e .[test]"), "built before the package pulls a wheel"
+    assert r.stdout.rstrip().endswith(f" llama.cpp=cpu{FLAGS} test")
 
 
 def test_setup_rebuilds_a_cpu_build_once_a_compiler_appears(checkout):
     (checkout / ".venv").mkdir()
-    (checkout / ".venv" / ".retrograd-setup").write_text("0123456789abcdef llama.cpp=cpu base\n")
+    (checkout / ".venv" / ".retrograd-setup").write_text(f"0123456789abcdef llama.cpp=cpu{FLAGS} base\n")
     assert "CMAKE_ARGS=-DGGML_CUDA=on" in (cuda_build(setup_dry_run(checkout, gpu=True, nvcc=True)) or "")
-    (checkout / ".venv" / ".retrograd-setup").write_text("0123456789abcdef llama.cpp=cuda base\n")
-    assert cuda_build(setup_dry_run(checkout, gpu=True, nvcc=True)) is None, "already built with CUDA"
+    (checkout / ".venv" / ".retrograd-setup").write_text(f"0123456789abcdef llama.cpp=cuda{FLAGS} base\n")
+    assert llama_build(setup_dry_run(checkout, gpu=True, nvcc=True)) is None, "already built with CUDA"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the flags are for x86's AMX code")
+def test_setup_builds_llama_cpp_keeping_the_amx_tile_stores(checkout):
+    """GCC 12 drops the stores of ggml's AMX tile shapes unless dead-store elimination is off;
+    a build from before the flags (its stamp says plain `cpu`) is built again."""
+    (checkout / ".venv").mkdir()
+    (checkout / ".venv" / ".retrograd-setup").write_text("0123456789abcdef llama.cpp=cpu base\n")
+    build = cpu_build(setup_dry_run(checkout))
+    assert build is not None
+    for flags in ("-DCMAKE_C_FLAGS='-fno-dse -fno-tree-dse'", "-DCMAKE_CXX_FLAGS='-fno-dse -fno-tree-dse'"):
+        assert flags in build, build
 
 
 def test_setup_is_up_to_date_when_the_stamp_matches_the_backend(checkout):

@@ -11,20 +11,24 @@
   and `gpu_offload_warning` is the line a run prints when torch has a CUDA GPU but llama.cpp
   would sample on the CPU.
 - On a CPU with AMX, llama.cpp built with -march=native (what `pip install
-  llama-cpp-python` does) moves quantized weights into its AMX "extra" buffers, whose
-  matmul dies with SIGILL on tilezero (seen on an AVX10/AMX Xeon VM where oneDNN's AMX
-  works). There we ask the kernel for AMX tile state and turn the extra buffers off for
-  every model this process loads; llama.cpp then uses its plain AVX-512 kernels. A model
-  loaded before this module is imported keeps the AMX buffers: on that VM its first decode
-  dies with SIGSEGV on ldtilecfg, so plain `import llama_cpp` users must import this first.
+  llama-cpp-python` does) moves quantized weights into its AMX "extra" buffer. Built by GCC
+  12 (Debian 12) that buffer's matmul dies on its first decode, and in a process where
+  torch's bf16 matmuls use AMX too, on the first decode after one (SIGILL): see amx_check,
+  which asks a child process, once per build and CPU, whether it works with the remedy
+  applied here, the tiles configured before every llama_decode in this process (ours and
+  llama_cpp.Llama's). bin/setup builds llama.cpp so that it does; there the AMX buffer
+  decodes 16 sequences of a 0.5B Q4_0 model in 30 ms against CPU_REPACK's 64 (2-core Xeon).
+  Where it does not, or with RETROGRAD_LLAMA_AMX=off, every model this process loads has
+  the extra buffers turned off. A model loaded before this module is imported keeps them,
+  so plain `import llama_cpp` users must import this first.
 - Turning the extra buffers off also turns off the other one, CPU_REPACK, whose interleaved
   Q4_0/Q4_K layout and GEMM decode 16 sequences of a 0.5B Q4_0 model in 91 ms instead of
-  137. `load_llama_model` puts those weights back there by name (a tensor buffer override); it
-  names only the weights CPU_REPACK has a layout for, since llama.cpp dereferences a missing
-  layout while loading any other tensor placed there.
-- Where weights go to CPU_REPACK (by that name on an AMX build, by llama.cpp's own choice
-  on others), `load_llama_model` reads the file rather than mapping it: the repacked
-  weights are copies, and a mapping would keep the file's pages of them resident as well.
+  137. `load_llama_model` then puts those weights back there by name (a tensor buffer
+  override); it names only the weights CPU_REPACK has a layout for, since llama.cpp
+  dereferences a missing layout while loading any other tensor placed there.
+- Where weights go to CPU_REPACK or AMX, `load_llama_model` reads the file rather than
+  mapping it: the repacked weights are copies, and a mapping would keep the file's pages
+  of them resident as well.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from pathlib import Path
 import llama_cpp
 import llama_cpp.llama_cpp as C
 from llama_cpp._ggml import libggml
+
+from retrograd.runtime import amx_check
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -72,10 +78,26 @@ def _without_extra_buffers(default_params=C.llama_model_default_params):
     return params
 
 
+def _with_tiles_configured(llama_decode, tiles):
+    """llama_decode after loading ggml's AMX tile shapes on the caller's OpenMP team (every
+    name bound here: a decode may come after interpreter teardown has cleared this module)."""
+    def decode(ctx, batch, configure=tiles.configure_tiles, n_threads=C.llama_n_threads, n_batch_threads=C.llama_n_threads_batch):
+        configure(max(n_threads(ctx), n_batch_threads(ctx)))
+        return llama_decode(ctx, batch)
+
+    return decode
+
+
 AMX_BUILD = b"AMX_INT8 = 1" in C.llama_print_system_info()
+AMX_MATMUL = False  # the quantized weights go to llama.cpp's AMX buffer
 if AMX_BUILD:
     _request_amx()
-    C.llama_model_default_params = _without_extra_buffers  # also used by llama_cpp.Llama
+    _tiles = amx_check.tiles() if os.environ.get("RETROGRAD_LLAMA_AMX") != "off" else None
+    AMX_MATMUL = _tiles is not None and amx_check.amx_matmul_works(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so")
+    if AMX_MATMUL:
+        C.llama_decode = _with_tiles_configured(C.llama_decode, _tiles)  # also used by llama_cpp.Llama
+    else:
+        C.llama_model_default_params = _without_extra_buffers  # also used by llama_cpp.Llama
 
 # This also replaces llama-cpp-python's own logger (a ctypes callback it installs when
 # llama_cpp is imported, with the same teardown hazard). A NULL pointer selects llama.cpp's
@@ -103,6 +125,8 @@ class _TensorOverride(ctypes.Structure):  # llama.h: struct llama_model_tensor_b
 
 # ggml-cpu/repack.cpp, x86 with AVX2: the 2-D types CPU_REPACK interleaves, rows a multiple of 8
 _REPACKED_TYPES = ("Q4_0", "Q4_K")
+# ggml-cpu/amx/common.h, qtype_has_amx_kernels: the types the AMX buffer holds
+_AMX_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 _MATMUL_WEIGHT = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|attn_qkv|ffn_gate|ffn_up|ffn_down)\.weight")
 
 
@@ -134,20 +158,22 @@ REPACK_BUFFER = _repack_buffer_type()
 
 def load_llama_model(path: Path, read_tensors: Callable[[], Mapping]):
     """llama_model_load_from_file with this module's defaults. read_tensors: the file's tensor
-    table (retrograd.gguf.file.GGUFFile.tensors), read where this build has CPU_REPACK. A file
-    with weights CPU_REPACK holds is read rather than mapped, and on an AMX build those
-    weights are named to go there (see the module's docstring). NULL when llama.cpp refuses
-    the file."""
+    table (retrograd.gguf.file.GGUFFile.tensors), read where this build repacks weights. A
+    file with weights CPU_REPACK or AMX holds is read rather than mapped, and where the extra
+    buffers are off the CPU_REPACK ones are named to go there (see the module's docstring).
+    NULL when llama.cpp refuses the file."""
     params = C.llama_model_default_params()
-    names = [name for name, t in read_tensors().items()
-             if _MATMUL_WEIGHT.fullmatch(name) and t.qtype.name in _REPACKED_TYPES
-             and len(t.shape) == 2 and t.shape[0] % 8 == 0] if REPACK_BUFFER is not None else []
+    copied = (_REPACKED_TYPES if REPACK_BUFFER is not None else ()) + (_AMX_TYPES if AMX_MATMUL else ())
+    weights = {name: t.qtype.name for name, t in read_tensors().items()
+               if _MATMUL_WEIGHT.fullmatch(name) and t.qtype.name in copied and len(t.shape) == 2
+               and t.shape[0] % 8 == 0} if copied else {}
     keep = None
-    if names:
-        if AMX_BUILD:  # the extra buffers are off: name the weights
-            pattern = "^(" + "|".join(re.escape(n) for n in names) + ")$"
-            keep = (_TensorOverride * 2)(_TensorOverride(pattern.encode(), REPACK_BUFFER), _TensorOverride(None, None))
-            params.tensor_buft_overrides = ctypes.cast(keep, ctypes.c_void_p)
+    named = [name for name, qtype in weights.items() if qtype in _REPACKED_TYPES]
+    if AMX_BUILD and not AMX_MATMUL and named:  # the extra buffers are off: name the weights
+        pattern = "^(" + "|".join(re.escape(n) for n in named) + ")$"
+        keep = (_TensorOverride * 2)(_TensorOverride(pattern.encode(), REPACK_BUFFER), _TensorOverride(None, None))
+        params.tensor_buft_overrides = ctypes.cast(keep, ctypes.c_void_p)
+    if weights:
         # read, not mapped: a repacked weight is a copy, and a mapping keeps the file's pages
         # of it resident beside that copy (0.5B Q4_0 after a decode, raw llama.cpp: 494 MiB
         # RSS mapped, 310 read on a Zen 3 AVX2 build; the sampler 0.51 against 0.34 GiB on AMX)
