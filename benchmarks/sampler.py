@@ -61,7 +61,7 @@ def trained_adapter(path, rank: int):
 
 class RawLlama:
     """llama.cpp batched decode with nothing of ours in the loop: the baseline. Its weights are
-    placed as the sampler's are (load_llama_model: CPU_REPACK on an AMX build), so a ratio
+    placed as the sampler's are (load_llama_model: AMX or CPU_REPACK), so a ratio
     measures the sampler, not the placement."""
 
     def __init__(self, path: Path, *, n_seq: int, n_ctx: int, n_threads: int):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,18 @@ def _write_model(path: Path) -> None:
     w.close()
 
 
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def request_amx() -> None:
+    """Ask Linux for AMX tile state for this process (it traps the first use otherwise)."""
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        try:
+            ctypes.CDLL(None, use_errno=True).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+        except (OSError, AttributeError):
+            pass  # no AMX or no permission: llama.cpp then has no AMX code to run either
+
+
 def tiles():
     """The library with configure_tiles(n_threads) and release_tiles(n_threads), or None."""
     return native.load("amx-tiles", TILES_SOURCE)
@@ -140,7 +153,7 @@ def _logits(C, path: Path, extra_buffers: bool, team=None) -> list[float]:
 
 def main() -> None:
     """The child: exits 0 printing `ok` when the AMX buffer holds the weights and agrees."""
-    ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18)  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    request_amx()
     import llama_cpp.llama_cpp as C
 
     team = tiles()

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import re
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -46,18 +44,6 @@ import llama_cpp.llama_cpp as C
 from llama_cpp._ggml import libggml
 
 from retrograd.runtime import amx_check
-
-_SYS_ARCH_PRCTL = 158
-_ARCH_REQ_XCOMP_PERM = 0x1023
-_XFEATURE_XTILEDATA = 18
-
-
-def _request_amx() -> None:
-    if sys.platform == "linux" and platform.machine() == "x86_64":
-        try:
-            ctypes.CDLL(None, use_errno=True).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
-        except (OSError, AttributeError):
-            pass  # no AMX or no permission: llama.cpp then has no AMX code to run either
 
 
 def _native_silent_logger():
@@ -91,7 +77,7 @@ def _with_tiles_configured(llama_decode, tiles):
 AMX_BUILD = b"AMX_INT8 = 1" in C.llama_print_system_info()
 AMX_MATMUL = False  # the quantized weights go to llama.cpp's AMX buffer
 if AMX_BUILD:
-    _request_amx()
+    amx_check.request_amx()
     _tiles = amx_check.tiles() if os.environ.get("RETROGRAD_LLAMA_AMX") != "off" else None
     AMX_MATMUL = _tiles is not None and amx_check.amx_matmul_works(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so")
     if AMX_MATMUL:
