@@ -52,6 +52,11 @@ def test_the_verdict_is_asked_once_per_library(tmp_path, monkeypatch):
     assert amx_check.amx_matmul_works(library) is True and len(asked) == 2
     assert amx_check.amx_matmul_works(library) is True and len(asked) == 2
 
+    elsewhere = tmp_path / "not-here" / "libggml-cpu.so"  # another packaging: asked, nothing cached
+    assert amx_check.amx_matmul_works(elsewhere) is True and len(asked) == 3
+    assert amx_check.amx_matmul_works(elsewhere) is True and len(asked) == 4
+    assert len(list((tmp_path / "cache" / "retrograd").glob("llama-amx-*"))) == 2
+
 
 @pytest.mark.skipif(not AMX_MATMUL, reason="llama.cpp's AMX buffer is off here")
 def test_a_decode_after_torch_used_the_tiles_on_the_same_thread_lives(tmp_path):

@@ -186,9 +186,9 @@ def _verdict_file(library: Path) -> Path:
 
 def amx_matmul_works(library: Path) -> bool:
     """The cached verdict for `library` (llama.cpp's CPU backend) on this CPU, asked of a
-    child process the first time."""
-    verdict = _verdict_file(library)
+    child process the first time (every time where the library is not where we look)."""
     try:
+        verdict = _verdict_file(library)
         return verdict.read_text().strip() == "ok"
     except OSError:
         pass
@@ -198,12 +198,13 @@ def amx_matmul_works(library: Path) -> bool:
     except subprocess.TimeoutExpired:
         answer = ["child timed out"]
     try:
+        verdict = _verdict_file(library)
         verdict.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=verdict.parent, delete=False) as tmp:
             tmp.write((answer or ["no answer"])[0] + "\n")
         os.replace(tmp.name, verdict)
     except OSError:
-        pass  # a read-only cache: ask again next time
+        pass  # a read-only cache, or no library where we look: ask again next time
     return answer == ["ok"]
 
 
