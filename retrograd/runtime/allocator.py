@@ -10,6 +10,14 @@ line restarts itself once with LD_PRELOAD set (`restart_on_jemalloc`); the varia
 removed again at once, so reward scripts, sandboxes and tools start with the user's own
 environment. RETROGRAD_ALLOCATOR=system keeps glibc's malloc; an LD_PRELOAD of the user's
 own is left alone.
+
+jemalloc runs with `muzzy_decay_ms:-1` (MALLOC_CONF, added and removed like LD_PRELOAD; a
+MALLOC_CONF of the user's own replaces it). By default it hands pages freed for 10 s back with
+MADV_DONTNEED, and the next pass faults them in again, zeroed by the kernel: an eighth of a
+0.5B bf16 SFT step on a 2-core Xeon (1.00 -> 0.87 s) and of a GRPO update's training. With the
+setting those pages are MADV_FREE'd instead, which the kernel takes back only when it needs
+the memory, and jemalloc reuses them without a fault; they count in the RSS until taken (peak
++2%, and the RSS between steps stays at the peak).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from pathlib import Path
 from retrograd.errors import ConfigError
 
 CHOICE_ENV = "RETROGRAD_ALLOCATOR"  # "jemalloc" (the default: where found) or "system"
-RESTARTED_ENV = "RETROGRAD_PRELOADED"  # set for the restarted process: the LD_PRELOAD it added
+RESTARTED_ENV = "RETROGRAD_PRELOADED"  # set for the restarted process: the variables it added, comma-separated
+SETTINGS = "muzzy_decay_ms:-1"  # jemalloc's MALLOC_CONF: see the module docstring
 
 
 def chose_system() -> bool:
@@ -49,17 +58,18 @@ def preload_env() -> dict[str, str]:
     library = jemalloc_library()
     if library is None or os.environ.get("LD_PRELOAD"):
         return {}
-    return {"LD_PRELOAD": library}
+    return {"LD_PRELOAD": library} | ({} if "MALLOC_CONF" in os.environ else {"MALLOC_CONF": SETTINGS})
 
 
 def restart_on_jemalloc() -> None:
     """Re-execute this command (same pid, arguments and environment) with jemalloc preloaded,
-    once; in the restarted process remove the LD_PRELOAD it added. Returns where nothing is to
-    be done or the exec fails (the command then runs on glibc's malloc)."""
+    once; in the restarted process remove the variables it added (jemalloc has read them by
+    then). Returns where nothing is to be done or the exec fails (the command then runs on
+    glibc's malloc)."""
     added = os.environ.pop(RESTARTED_ENV, None)
     if added is not None:
-        if os.environ.get("LD_PRELOAD") == added:
-            del os.environ["LD_PRELOAD"]
+        for name in added.split(","):
+            os.environ.pop(name, None)
         return
     env = preload_env()
     if not env:
@@ -67,7 +77,7 @@ def restart_on_jemalloc() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | env | {RESTARTED_ENV: env["LD_PRELOAD"]})
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | env | {RESTARTED_ENV: ",".join(env)})
     except OSError:
         return
 
