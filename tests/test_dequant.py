@@ -170,3 +170,29 @@ def test_a_library_is_built_per_cpu_and_falls_back_to_the_baseline(monkeypatch, 
     for a, b in zip(*outputs):
         assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
                            b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+
+
+def test_a_compiler_that_refuses_gccs_flags_still_builds(monkeypatch, tmp_path):
+    """clang rejects -fno-thread-jumps (GCC's pass, runtime/native.py): a compiler that calls
+    itself clang builds without it, and its library gives the same bits."""
+    cc = native.compiler()
+    fake = tmp_path / "clang"
+    fake.write_text(f"""#!/bin/sh
+case "$*" in
+  --version) echo "clang version 99 (a test double)"; exit 0;;
+  *-fno-thread-jumps*) echo "clang: error: unknown argument: '-fno-thread-jumps'" >&2; exit 1;;
+esac
+exec {cc} "$@"
+""")
+    fake.chmod(0o755)
+    assert not native.is_gcc(str(fake))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    lib = native.build("dequant", native_dequant.SOURCE, str(fake))
+    raw = torch.from_numpy(random_blocks(QT.Q4_K, 64, np.random.default_rng(6)))
+    expected = dequantize(raw, QT.Q4_K, (64 * 256,), torch.float32)
+    native_dequant._library.cache_clear()
+    monkeypatch.setattr(native, "build", lambda stem, source, cc: lib)
+    try:
+        assert torch.equal(dequantize(raw, QT.Q4_K, (64 * 256,), torch.float32).view(torch.int32), expected.view(torch.int32))
+    finally:
+        native_dequant._library.cache_clear()
