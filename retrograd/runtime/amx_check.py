@@ -22,7 +22,7 @@ sequences with the extra buffers off, then on (the weights in the AMX buffer, wh
 llama.cpp's log must confirm), releasing the team's tiles before each decode as oneDNN
 would and configuring them as the caller will; it prints `ok` when the logits agree. The
 verdict is cached beside the C libraries, keyed by the CPU backend library's path, size
-and time and by the CPU.
+and time, by the CPU and by the source of `configure_tiles`.
 """
 
 from __future__ import annotations
