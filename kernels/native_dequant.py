@@ -2,7 +2,7 @@
 and called through ctypes.
 
 torch.compile's kernels for the block types ran at 0.6-3.4 GiB/s of float32 output on our
-2-core EPYC, eager torch at 1.6-7 GiB/s; these plain loops at 3.3-17 GiB/s by type (Q4_0
+2-core EPYC, eager torch at 1.6-7 GiB/s; these C loops at 3.3-17 GiB/s by type (Q4_0
 8-11), so a 1.5B Q4_0 base dequantizes in well under a second per pass instead of 2.5-4 s.
 Each loop does the float operations of `dequant.py`'s torch codec in the same order, so the
 results are the same bits (tests compare both with gguf.quants). Each block type has a
@@ -84,8 +84,8 @@ DRIVERS(q8_0, 34, 32)
    Q8_0's speed) take 16 lanes at a time through GCC's and clang's vector extensions, which lower
    to what the CPU has (AVX-512, AVX2, NEON): the same float operations lane for lane, so the
    same bits. Only where that measured faster (2-core Xeon, 2 threads, bf16 out, per 4.4M
-   values: Q4_0 1.19 -> 0.50 ms, Q4_1 0.84 -> 0.52, Q4_K 0.55 -> 0.45, Q5_K 0.72 -> 0.70);
-   the other types' loops were as fast or faster as they are. */
+   values: Q4_0 1.19 -> 0.50 ms, Q4_1 0.84 -> 0.52, Q4_K 0.55 -> 0.45, Q5_K, which shares
+   Q4_K's code, 0.72 -> 0.70); the other types keep their loops, which measured as fast or faster. */
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef float f32x16 __attribute__((vector_size(64)));
