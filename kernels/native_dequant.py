@@ -80,12 +80,15 @@ static inline void q8_0_block(const uint8_t *b, float *y) {
 }
 DRIVERS(q8_0, 34, 32)
 
-/* Types whose 4-bit values GCC's loops converted one at a time (Q4_0 to bfloat16 at a third of
-   Q8_0's speed) take 16 lanes at a time through GCC's and clang's vector extensions, which lower
-   to what the CPU has (AVX-512, AVX2, NEON): the same float operations lane for lane, so the
-   same bits. Only where that measured faster (2-core Xeon, 2 threads, bf16 out, per 4.4M
-   values: Q4_0 1.19 -> 0.50 ms, Q4_1 0.84 -> 0.52, Q4_K 0.55 -> 0.45, Q5_K, which shares
-   Q4_K's code, 0.72 -> 0.70); the other types keep their loops, which measured as fast or faster. */
+/* On AVX-512, types whose 4-bit values GCC's loops converted one at a time (Q4_0 to bfloat16
+   at a third of Q8_0's speed) take 16 lanes at a time through GCC's and clang's vector
+   extensions: the same float operations lane for lane, so the same bits. Measured on a 2-core
+   Xeon, 2 threads, bf16 out, per 4.4M values: Q4_0 1.19 -> 0.50 ms, Q4_1 0.84 -> 0.52, Q4_K
+   0.55 -> 0.45, Q5_K (Q4_K's code) 0.72 -> 0.70. Built for AVX2 or SSE the same vector code
+   ran 1.5-6x slower than the loops (GCC splits the 64-byte vectors lane by lane), so there, and
+   for the other types, the loops stay. */
+#ifdef __AVX512F__
+#define LANES16 1
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -102,20 +105,35 @@ static inline f32x16 lanes(u8x16 v, int offset) {
 }
 
 static inline void put(float *y, f32x16 v) { memcpy(y, &v, 64); }
+#endif
 
 static inline void q4_0_block(const uint8_t *b, float *y) {
     float d = f16(b);
+#ifdef LANES16
     u8x16 q = bytes(b + 2);
     put(y, d * lanes(q & 0x0f, 8));
     put(y + 16, d * lanes(q >> 4, 8));
+#else
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((b[2 + j] & 0x0f) - 8);
+        y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+    }
+#endif
 }
 DRIVERS(q4_0, 18, 32)
 
 static inline void q4_1_block(const uint8_t *b, float *y) {
     float d = f16(b), m = f16(b + 2);
+#ifdef LANES16
     u8x16 q = bytes(b + 4);
     put(y, d * lanes(q & 0x0f, 0) + m);
     put(y + 16, d * lanes(q >> 4, 0) + m);
+#else
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)(b[4 + j] & 0x0f) + m;
+        y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+    }
+#endif
 }
 DRIVERS(q4_1, 20, 32)
 
@@ -147,12 +165,20 @@ static inline void k_block(const uint8_t *b, const uint8_t *qh, const uint8_t *q
         k_scale(b + 4, s, &sc, &mn);
         float dl = d * (float)sc, ml = dmin * (float)mn;
         const uint8_t *q = qs + 32 * (s / 2);
+#ifdef LANES16
         for (int l = 0; l < 32; l += 16) {
             u8x16 v = s % 2 ? bytes(q + l) >> 4 : bytes(q + l) & 0x0f;
             if (qh)
                 v |= ((bytes(qh + l) >> s) & 1) << 4;
             put(y + 32 * s + l, dl * lanes(v, 0) - ml);
         }
+#else
+        int shift = 4 * (s % 2);
+        for (int l = 0; l < 32; l++) {
+            int high = qh ? ((qh[l] >> s) & 1) << 4 : 0;
+            y[32 * s + l] = dl * (float)(((q[l] >> shift) & 0x0f) | high) - ml;
+        }
+#endif
     }
 }
 static inline void q4_k_block(const uint8_t *b, float *y) { k_block(b, NULL, b + 16, y); }
