@@ -181,7 +181,15 @@ def test_twenty_processes_of_200_mib_are_held_to_512_mib(sandbox):
     result = sandbox.exec(["python3", "-c", HOG])
     took = time.monotonic() - start
     assert not result.timed_out and took < 15
-    assert result.stdout.count(b"ok") <= 4, result.stdout  # 2 fit in 512 MiB; unbounded, all 20 would
+    # 2 fit in 512 MiB; unbounded, all 20 would print "ok" and hold theirs to the end
+    last = result.stdout.splitlines()[-1:]
+    if last and last[0].startswith(b"["):  # the cgroup's OOM killer took children, the parent lived
+        # a child killed after its "ok" frees room for another's, so how many print it depends
+        # on timing (5 have); the survivors, whose 3-second holds overlap, cannot be more than 2
+        exits = json.loads(last[0])
+        assert exits.count(0) <= 2 and exits.count(0) + exits.count(-9) == 20, result.stdout
+    else:  # the watchdog killed the whole command once the sandbox's sum passed the bound
+        assert result.stdout.count(b"ok") <= 4, result.stdout
     assert run(sandbox, "echo still here").stdout == b"still here\n"
 
 
