@@ -61,8 +61,9 @@ def test_the_verdict_is_asked_once_per_library(tmp_path, monkeypatch):
 @pytest.mark.skipif(not AMX_MATMUL, reason="llama.cpp's AMX buffer is off here")
 def test_a_decode_after_torch_used_the_tiles_on_the_same_thread_lives(tmp_path):
     """oneDNN releases the AMX tiles after its bf16 matmuls, and ggml configures a thread's
-    tiles only once: a decode on the thread torch just used died with SIGILL (exit 132) before
-    llama_decode got a thread of its own (checked by calling the unwrapped function)."""
+    tiles only once: a decode on the thread torch just used died with SIGILL (exit 132) until
+    every llama_decode loaded the tile shapes on its OpenMP team first (checked by calling the
+    unwrapped function)."""
     model = write_tiny_model(tmp_path / "tiny-q4_0.gguf", "llama", qtype=QT.Q4_0)
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(f"""
