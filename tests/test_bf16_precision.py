@@ -20,6 +20,7 @@ from retrograd.model.lora import attach_lora
 from retrograd.model.transformer import SHORT_ROWS
 
 LR = 1e-4  # the SFT benchmark's
+TEXTS = 4
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +45,24 @@ def mean_nll(transformer, tokens: torch.Tensor) -> torch.Tensor:
     ids=["all-short-rows", "all-long-rows", "gate-up"],
 )
 def test_one_adamw_step_moves_the_bf16_loss_as_much_as_the_f32_one(adapted, families, n_sums, long_rows):
+    """Summed over TEXTS texts: on one text bf16's rounding noise alone moves the ratio by up
+    to a quarter (gate and up: 0.75-1.35 over six texts, with the torch norms or the C ones),
+    across the bounds, where the sums' ratio moves by a few hundredths."""
+    f32 = bf16 = 0.0
+    for seed in range(TEXTS):
+        step_f32, step_bf16 = loss_changes(adapted, families, n_sums, long_rows, seed)
+        assert step_f32 < -0.005, step_f32
+        f32, bf16 = f32 + step_f32, bf16 + step_bf16
+    # bf16 / f32 measured on AMD Zen 4 (all targets, ten texts): 0.94-1.10; when the delta
+    # was rounded away 0.40-0.62 (gate and up alone: 0.31)
+    assert 0.8 < bf16 / f32 < 1.25, f"the step changed the loss by {bf16:.4f} in bf16, {f32:.4f} in float32 ({TEXTS} texts)"
+
+
+def loss_changes(adapted, families, n_sums: int, long_rows: bool, seed: int) -> tuple[float, float]:
+    """One AdamW step's change of the mean NLL of one text, in float32 and in bf16 compute."""
     model, adapter = adapted
     transformer = model.transformer
-    rng = random.Random(0)
+    rng = random.Random(seed)
     text = " ".join(f"{a} plus {b} is {a + b}." for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(n_sums)))
     tokens = torch.tensor(model.tokenize(text))
     assert (len(tokens) > SHORT_ROWS) == long_rows  # long rows attend in bf16 unless a LoRA feeds them
@@ -71,8 +87,4 @@ def test_one_adamw_step_moves_the_bf16_loss_as_much_as_the_f32_one(adapted, fami
                 base = mean_nll(transformer, tokens)
         return float(stepped - base)
 
-    f32, bf16 = loss_change(torch.float32), loss_change(torch.bfloat16)
-    assert f32 < -0.005, f32
-    # bf16 / f32 measured on AMD Zen 4 (all targets, ten texts): 0.94-1.10; when the delta
-    # was rounded away 0.40-0.62 (gate and up alone: 0.31)
-    assert 0.8 < bf16 / f32 < 1.25, f"the step changed the loss by {bf16:.4f} in bf16, {f32:.4f} in float32"
+    return loss_change(torch.float32), loss_change(torch.bfloat16)

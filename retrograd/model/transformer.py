@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from retrograd.gguf.spec import ModelSpec
+from retrograd.kernels import rowwise
 from retrograd.kernels.frozen import FrozenWeight
 from retrograd.model.layers import FrozenLinear, GatedProduct
 from retrograd.model.moe import MoEFeedForward
@@ -44,6 +45,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
+        if rowwise.applies(x, self.weight):  # one C pass each way (kernels/rowwise.py)
+            return rowwise.RMSNormFunction.apply(x, self.weight, self.eps)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
@@ -110,6 +113,8 @@ def attention_temperature(positions: torch.Tensor, scale: float, length: int) ->
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """x [T, H, D] float32; rotates the first n_rot dims of each head."""
+    if rowwise.applies(x, cos, sin):  # one C pass each way (kernels/rowwise.py)
+        return rowwise.RopeFunction.apply(x, cos, sin, style != "norm")
     n_rot = cos.shape[-1] * 2
     rot, rest = x[..., :n_rot], x[..., n_rot:]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, n_rot/2]
