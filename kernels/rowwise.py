@@ -97,9 +97,15 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def available() -> bool:
+    """Whether the library is built (building it now if not: a model load does this, so the
+    one-time build never lands inside a timed first step)."""
+    return _library() is not None
+
+
 def applies(*tensors: torch.Tensor) -> bool:
     """Whether the C pass takes these: float32 on the CPU, and the library built."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and _library() is not None
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -17,7 +17,7 @@ import torch
 from retrograd.errors import GGUFError, UnsupportedArchError
 from retrograd.gguf.file import GGUFFile, TensorInfo
 from retrograd.gguf.spec import ModelSpec, read_spec
-from retrograd.kernels import gated, native_dequant
+from retrograd.kernels import gated, native_dequant, rowwise
 from retrograd.kernels.dequant import CODECS
 from retrograd.kernels.frozen import FrozenWeight, dense_budget
 from retrograd.model.tokenizer import Tokenizer
@@ -97,6 +97,7 @@ def load_model(
     if device.type == "cpu":
         native_dequant.build()
         gated.available()
+        rowwise.available()
     transformer = Transformer(spec, matrices, vectors).to_device(device)
     transformer.compute_dtype = COMPUTE_DTYPES[compute_dtype]
     transformer.requires_grad_(False)
