@@ -118,3 +118,56 @@ def test_the_adapters_gradients_are_those_of_its_formula(dtype):
     for ours, exact in ((x.grad, x64.grad), (layer.lora_a.grad, a64.grad), (layer.lora_b.grad, b64.grad)):
         assert ours.shape == exact.shape
         assert (ours.double() - exact).abs().max() <= tol * exact.abs().max(), (ours.dtype, (ours.double() - exact).abs().max())
+
+
+@pytest.mark.parametrize("held", ["f32", "bf16", "q8_0"])
+def test_the_one_matmul_node_agrees_with_the_checkpointed_split(held, monkeypatch):
+    """Outside checkpointed segments the base matmul and x A^T are one matmul (A's rows after
+    W's) and so is the input's gradient through both; inside, the base matmul stays a node of
+    its own. Both give the same output and gradients: bit for bit for A and B's, to a rounding
+    of the compute dtype for the input's (summed once instead of twice). Dense weights move
+    once into storage with room for A's rows, which leaves the base model as it was;
+    quantized blocks are dequantized with them per use."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import quantize
+
+    from retrograd.kernels.frozen import FrozenWeight
+    from retrograd.model import lora
+    from retrograd.model.layers import FrozenLinear
+    from retrograd.model.lora import LoRALinear
+
+    g = torch.Generator().manual_seed(2)
+    matrix = torch.randn(40, 64, generator=g)
+    dtype = torch.bfloat16 if held == "bf16" else torch.float32
+    if held == "q8_0":
+        weight = FrozenWeight("w", torch.from_numpy(quantize(matrix.numpy(), QT.Q8_0)), QT.Q8_0, (40, 64))
+    else:
+        weight = FrozenWeight("w", matrix.to(dtype), QT.F32, (40, 64))
+    layer = LoRALinear(FrozenLinear(weight, None), 8, 16.0, g)
+    with torch.no_grad():
+        layer.lora_b.copy_(torch.randn(40, 8, generator=g) * 0.1)
+    x = torch.randn(12, 64, generator=g).to(dtype)
+    upstream = torch.randn(12, 40, generator=g)
+    with torch.no_grad():
+        base_before = layer.base(x)
+
+    def run(split: bool):
+        monkeypatch.setattr(lora, "in_checkpointed_segment", lambda: split)
+        leaf = x.clone().requires_grad_()
+        layer.lora_a.grad = layer.lora_b.grad = None
+        out = layer(leaf)
+        (out * upstream).sum().backward()
+        return out.detach(), leaf.grad, layer.lora_a.grad, layer.lora_b.grad
+
+    (out, dx, da, db), (out_s, dx_s, da_s, db_s) = run(False), run(True)
+    assert out.dtype == out_s.dtype == torch.float32
+    assert torch.allclose(out, out_s, rtol=1e-6, atol=1e-6)
+    assert torch.equal(da, da_s) and torch.equal(db, db_s)
+    step = 2**-6 if dtype == torch.bfloat16 else 1e-6  # bf16: two roundings of the largest (one ulp is 2^-7 of it)
+    assert (dx.float() - dx_s.float()).abs().max() <= step * dx_s.float().abs().max()
+    with torch.no_grad():
+        assert torch.equal(layer.base(x), base_before)
+    if held != "q8_0":
+        room = weight.with_rows(layer.lora_a.to(dtype))
+        assert room.shape == (48, 64) and weight.data.data_ptr() == room.data_ptr()
+        assert torch.equal(weight.data, matrix.to(dtype)) and torch.equal(room[40:], layer.lora_a.to(dtype))

@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from retrograd.errors import ConfigError
 from retrograd.model.layers import FrozenLinear
 from retrograd.model.moe import FrozenExperts
+from retrograd.model.recompute import in_checkpointed_segment
 from retrograd.model.transformer import Transformer
 
 # config alias -> GGUF tensor family (blk.N.<family>.weight)
@@ -124,6 +125,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, *expert: int) -> torch.Tensor:
         if not self.enabled:
             return self.base(x, *expert)
+        if not (expert or isinstance(self.base, FrozenExperts) or self.base.bias is not None or in_checkpointed_segment()):
+            return _LoRAProjection.apply(x, self.lora_a, self.lora_b, self.scale, self.base.weight)
         a, b = (self.lora_a[expert[0]], self.lora_b[expert[0]]) if expert else (self.lora_a, self.lora_b)
         delta = _LoRADelta.apply(x, a, b, self.scale)  # [..., out] float32; first: see _LoRADelta
         return delta.add_(self.base(x, *expert))
@@ -145,11 +148,12 @@ class _LoRADelta(torch.autograd.Function):
     matmuls, the scale, the casts): at a 0.5B model's FFN width in bf16 the casts and
     elementwise passes cost 5-10% of a pass.
 
-    LoRALinear adds the base output into this delta after computing it, so a projection's last
-    saved tensors are this node's: the base matmul saves nothing (kernels/frozen.py). A
-    checkpointed pass's recomputation stops as soon as it has every saved tensor back
-    (model/recompute.py), so it skips the base matmul of each checkpointed segment's last
-    projection: with a checkpoint per block, every down projection."""
+    Inside a checkpointed segment LoRALinear adds the base output into this delta after
+    computing it, so a projection's last saved tensors are this node's: the base matmul saves
+    nothing (kernels/frozen.py). The recomputation stops as soon as it has every saved tensor
+    back (model/recompute.py), so it skips the base matmul of each segment's last projection:
+    with a checkpoint per block, every down projection. Elsewhere _LoRAProjection does both.
+    (Experts and biased projections always come here.)"""
 
     @staticmethod
     def forward(ctx, x, a, b, scale: float):
@@ -171,6 +175,41 @@ class _LoRADelta(torch.autograd.Function):
         grad_a = (grad_h.t() @ x.flatten(0, -2)).float()  # [r, in]
         grad_x = (grad_h @ a_x).view(x.shape) if ctx.needs_input_grad[0] else None
         return grad_x, grad_a, grad_b, None
+
+
+class _LoRAProjection(torch.autograd.Function):
+    """x W^T + scale * (x A^T) B^T for a frozen W: the base matmul and x A^T as one matmul,
+    A's rows after W's (FrozenWeight.with_rows), and backward the input's gradient through
+    both as one. At a 0.5B llama's widths in bf16 that saves, per projection, two rank-r
+    matmuls (80-100 us each, mostly oneDNN's per-call cost) and the sum of two [T, n_in]
+    gradients: about 2 ms a layer. The rest is _LoRADelta's arithmetic, the same bits but
+    the input's gradient, rounded to x's dtype once instead of twice. Its saved h comes out
+    of the base matmul, so a checkpointed segment's recomputation could not stop before it:
+    there LoRALinear uses _LoRADelta."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, scale: float, weight):
+        n_out, a_x = weight.n_rows, a.to(x.dtype)
+        both = F.linear(x, weight.with_rows(a_x))  # [..., n_out + r]: x W^T, then x A^T
+        h = both[..., n_out:].float()
+        b_scaled = b * scale  # [out, r], float32
+        ctx.save_for_backward(x, a_x, h, b_scaled)
+        ctx.weight, ctx.scale = weight, scale
+        return (h @ b_scaled.t()).add_(both[..., :n_out])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, a_x, h, b_scaled = ctx.saved_tensors
+        weight, n_out = ctx.weight, ctx.weight.n_rows
+        grad = grad.flatten(0, -2)
+        both = grad.new_empty(grad.shape[0], n_out + a_x.shape[0], dtype=x.dtype)  # [T, n_out + r]
+        both[:, :n_out] = grad
+        both[:, n_out:] = grad @ b_scaled  # dL/dh, rounded to x's dtype
+        grad_b = (grad.t() @ h.flatten(0, -2)).mul_(ctx.scale)  # [out, r]
+        grad_a = (both[:, n_out:].t() @ x.flatten(0, -2)).float()  # [r, in]
+        grad_x = (both @ weight.with_rows(a_x)).view(x.shape) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_a, grad_b, None, None
 
 
 @dataclass
