@@ -22,7 +22,6 @@ from torch.autograd.function import once_differentiable
 from retrograd.errors import ConfigError
 from retrograd.model.layers import FrozenLinear
 from retrograd.model.moe import FrozenExperts
-from retrograd.model.recompute import in_checkpointed_segment
 from retrograd.model.transformer import Transformer
 
 # config alias -> GGUF tensor family (blk.N.<family>.weight)
@@ -125,11 +124,13 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, *expert: int) -> torch.Tensor:
         if not self.enabled:
             return self.base(x, *expert)
-        if not (expert or isinstance(self.base, FrozenExperts) or self.base.bias is not None or in_checkpointed_segment()):
-            return _LoRAProjection.apply(x, self.lora_a, self.lora_b, self.scale, self.base.weight)
-        a, b = (self.lora_a[expert[0]], self.lora_b[expert[0]]) if expert else (self.lora_a, self.lora_b)
-        delta = _LoRADelta.apply(x, a, b, self.scale)  # [..., out] float32; first: see _LoRADelta
-        return delta.add_(self.base(x, *expert))
+        if expert or isinstance(self.base, FrozenExperts) or self.base.bias is not None:
+            a, b = (self.lora_a[expert[0]], self.lora_b[expert[0]]) if expert else (self.lora_a, self.lora_b)
+            delta = _LoRADelta.apply(x, a, b, self.scale, None)  # [..., out] float32; first: see _LoRADelta
+            return delta.add_(self.base(x, *expert))
+        factors = _Factors()
+        delta = _LoRADelta.apply(x, self.lora_a, self.lora_b, self.scale, factors)
+        return _PlusBase.apply(delta, x, self.base.weight, factors)
 
     def split(self, x: torch.Tensor):
         """base(x) and the delta's factors, x A^T (in x's dtype) and scale * B (float32), for a
@@ -140,6 +141,16 @@ class LoRALinear(nn.Module):
         return y, F.linear(x, self.lora_a.to(x.dtype)), self.lora_b * self.scale
 
 
+class _Factors:
+    """What a projection's _LoRADelta and _PlusBase share: A in x's dtype and scale * B from the
+    forward, and dL/dh = dL/dout (scale B) from _PlusBase's backward, which runs first (its
+    input is the delta), for _LoRADelta's."""
+
+    a_x: torch.Tensor
+    b_scaled: torch.Tensor
+    grad_h: torch.Tensor
+
+
 class _LoRADelta(torch.autograd.Function):
     """scale * (x A^T) B^T in float32 whatever x's dtype: in bf16/f16 compute a young adapter's
     delta is far below bf16's 1/128 relative resolution of the base output and would round away
@@ -148,21 +159,25 @@ class _LoRADelta(torch.autograd.Function):
     matmuls, the scale, the casts): at a 0.5B model's FFN width in bf16 the casts and
     elementwise passes cost 5-10% of a pass.
 
-    Inside a checkpointed segment LoRALinear adds the base output into this delta after
-    computing it, so a projection's last saved tensors are this node's: the base matmul saves
-    nothing (kernels/frozen.py). The recomputation stops as soon as it has every saved tensor
-    back (model/recompute.py), so it skips the base matmul of each segment's last projection:
-    with a checkpoint per block, every down projection. Elsewhere _LoRAProjection does both.
-    (Experts and biased projections always come here.)"""
+    LoRALinear adds the base output into this delta after computing it, so a projection's last
+    saved tensors are this node's: the base matmul saves nothing (kernels/frozen.py, _PlusBase).
+    A checkpointed pass's recomputation stops as soon as it has every saved tensor back
+    (model/recompute.py), so it skips the base matmul of each segment's last projection: with
+    a checkpoint per block, every down projection.
+
+    With `factors` (_PlusBase adds the base) the input's gradient through A is _PlusBase's, and
+    this node returns none for x."""
 
     @staticmethod
-    def forward(ctx, x, a, b, scale: float):
+    def forward(ctx, x, a, b, scale: float, factors: _Factors | None):
         a_x = a.to(x.dtype)
         h = F.linear(x, a_x).float()  # [..., r]
         b_scaled = b * scale  # [out, r], float32
         delta = h @ b_scaled.t()  # [..., out]
         ctx.save_for_backward(x, a_x, h, b_scaled)
-        ctx.scale = scale
+        ctx.scale, ctx.factors = scale, factors
+        if factors is not None:
+            factors.a_x, factors.b_scaled = a_x, b_scaled
         return delta
 
     @staticmethod
@@ -171,45 +186,44 @@ class _LoRADelta(torch.autograd.Function):
         x, a_x, h, b_scaled = ctx.saved_tensors
         grad = grad.flatten(0, -2)
         grad_b = (grad.t() @ h.flatten(0, -2)).mul_(ctx.scale)  # [out, r]
-        grad_h = (grad @ b_scaled).to(x.dtype)  # [T, r]
+        if ctx.factors is not None:
+            grad_h, grad_x = ctx.factors.grad_h, None
+            del ctx.factors.grad_h
+        else:
+            grad_h = (grad @ b_scaled).to(x.dtype)  # [T, r]
+            grad_x = (grad_h @ a_x).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_a = (grad_h.t() @ x.flatten(0, -2)).float()  # [r, in]
-        grad_x = (grad_h @ a_x).view(x.shape) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_a, grad_b, None
+        return grad_x, grad_a, grad_b, None, None
 
 
-class _LoRAProjection(torch.autograd.Function):
-    """x W^T + scale * (x A^T) B^T for a frozen W: the base matmul and x A^T as one matmul,
-    A's rows after W's (FrozenWeight.with_rows), and backward the input's gradient through
-    both as one. At a 0.5B llama's widths in bf16 that saves, per projection, two rank-r
-    matmuls (80-100 us each, mostly oneDNN's per-call cost) and the sum of two [T, n_in]
-    gradients: about 2 ms a layer. The rest is _LoRADelta's arithmetic, the same bits but
-    the input's gradient, rounded to x's dtype once instead of twice. Its saved h comes out
-    of the base matmul, so a checkpointed segment's recomputation could not stop before it:
-    there LoRALinear uses _LoRADelta."""
+class _PlusBase(torch.autograd.Function):
+    """delta + x W^T for a frozen W, the delta _LoRADelta's (float32). Backward, the input's
+    gradient through W and through the LoRA's A as one matmul, A's rows after W's
+    (FrozenWeight.with_rows): [dL/dout, dL/dh] [W; A]. At a 0.5B llama's widths in bf16 that
+    saves, per projection, a rank-r matmul (80-100 us, mostly oneDNN's per-call cost) and the
+    sum of two [T, n_in] gradients (0.1 ms; 0.7 ms for the down projection's): 4% of a step.
+    The input's gradient is rounded to x's dtype once instead of twice; every other number is
+    _LoRADelta's alone would be. Saves no tensor, so a checkpointed recomputation still stops
+    before its matmul."""
 
     @staticmethod
-    def forward(ctx, x, a, b, scale: float, weight):
-        n_out, a_x = weight.n_rows, a.to(x.dtype)
-        both = F.linear(x, weight.with_rows(a_x))  # [..., n_out + r]: x W^T, then x A^T
-        h = both[..., n_out:].float()
-        b_scaled = b * scale  # [out, r], float32
-        ctx.save_for_backward(x, a_x, h, b_scaled)
-        ctx.weight, ctx.scale = weight, scale
-        return (h @ b_scaled.t()).add_(both[..., :n_out])
+    def forward(ctx, delta, x, weight, factors: _Factors):
+        ctx.weight, ctx.factors = weight, factors
+        ctx.mark_dirty(delta)
+        return delta.add_(F.linear(x, weight.borrow_rows(0, weight.n_rows, x.dtype)))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x, a_x, h, b_scaled = ctx.saved_tensors
-        weight, n_out = ctx.weight, ctx.weight.n_rows
-        grad = grad.flatten(0, -2)
-        both = grad.new_empty(grad.shape[0], n_out + a_x.shape[0], dtype=x.dtype)  # [T, n_out + r]
+        factors, weight = ctx.factors, ctx.weight
+        shape, grad = grad.shape, grad.flatten(0, -2)
+        a_x, n_out = factors.a_x, weight.n_rows
+        both = grad.new_empty(grad.shape[0], n_out + a_x.shape[0], dtype=a_x.dtype)  # [T, n_out + r]
         both[:, :n_out] = grad
-        both[:, n_out:] = grad @ b_scaled  # dL/dh, rounded to x's dtype
-        grad_b = (grad.t() @ h.flatten(0, -2)).mul_(ctx.scale)  # [out, r]
-        grad_a = (both[:, n_out:].t() @ x.flatten(0, -2)).float()  # [r, in]
-        grad_x = (both @ weight.with_rows(a_x)).view(x.shape) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_a, grad_b, None, None
+        both[:, n_out:] = grad @ factors.b_scaled  # dL/dh, rounded to x's dtype
+        factors.grad_h = both[:, n_out:]
+        grad_x = (both @ weight.with_rows(a_x)).view(*shape[:-1], -1) if ctx.needs_input_grad[1] else None
+        return grad.view(shape), grad_x, None, None
 
 
 @dataclass

@@ -12,27 +12,9 @@ released as autograd takes it, and a refusal when the recomputation saves someth
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
-
-_segments = threading.local()  # .depth: checkpointed segments whose forward runs in this thread now
-
-
-def in_checkpointed_segment() -> bool:
-    """Whether this thread is inside a checkpointed segment's forward (its first run or its
-    recomputation): there a layer that can keep a frozen matmul out of its saved tensors'
-    way (retrograd.model.lora) lets the recomputation stop before that matmul."""
-    return getattr(_segments, "depth", 0) > 0
-
-
-def _segment(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-    _segments.depth = getattr(_segments, "depth", 0) + 1
-    try:
-        return fn(*args)
-    finally:
-        _segments.depth -= 1
 
 
 class _AllRecomputed(Exception):
@@ -43,7 +25,7 @@ def checkpoint_segment(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
     """fn(*args), with fn's saved tensors recomputed during backward instead of kept."""
     frame = _Frame(fn, args)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
-        return _segment(fn, *args)
+        return fn(*args)
 
 
 class _Frame:
@@ -77,7 +59,7 @@ class _Frame:
 
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, _never_unpacked):
-                _segment(self.fn, *self.args)
+                self.fn(*self.args)
         except _AllRecomputed:
             return
         raise RuntimeError(f"gradient checkpointing: the recomputed segment saved {count} tensors, its forward {len(self.saved)}")
