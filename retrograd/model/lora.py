@@ -203,8 +203,8 @@ class _PlusBase(torch.autograd.Function):
     saves, per projection, a rank-r matmul (80-100 us, mostly oneDNN's per-call cost) and the
     sum of two [T, n_in] gradients (0.1 ms; 0.7 ms for the down projection's): 4% of a step.
     The input's gradient is rounded to x's dtype once instead of twice; every other number is
-    _LoRADelta's alone would be. Saves no tensor, so a checkpointed recomputation still stops
-    before its matmul."""
+    the one a separate base matmul gives (experts and biased projections keep that). Saves no
+    tensor, so a checkpointed recomputation still stops before its matmul."""
 
     @staticmethod
     def forward(ctx, delta, x, weight, factors: _Factors):
