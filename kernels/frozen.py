@@ -46,7 +46,6 @@ class FrozenWeight:
         self.qtype = qtype
         self.shape = shape
         self.kept: torch.Tensor | None = None  # a dense copy of `data` in one float dtype, while kept
-        self._extended: torch.Tensor | None = None  # the held dense matrix's storage, with rows after it (with_rows)
 
     @property
     def n_rows(self) -> int:
@@ -106,41 +105,11 @@ class FrozenWeight:
         allocator and get a fresh matrix."""
         if self.ready(dtype) is not None or self.is_dense or self.data.device.type != "cpu":
             return self.row_range(start, stop, dtype)
-        return self._dequantize_into(_buffer((stop - start, self.shape[-1]), dtype), start)
-
-    def _dequantize_into(self, out: torch.Tensor, start: int) -> torch.Tensor:
-        """The blocks' rows start..start + len(out) dequantized into `out` (contiguous, CPU)."""
-        shape = tuple(out.shape)
-        rows = self.data[start : start + shape[0]]
-        if out.dtype in native_dequant.OUTPUTS:  # written in that dtype by the C loops, or copied into it once
-            return dequantize(rows, self.qtype, shape, out.dtype, out=out)
-        return out.copy_(dequantize(rows, self.qtype, shape, out=_buffer(shape, torch.float32)))
-
-    def with_rows(self, extra: torch.Tensor) -> torch.Tensor:
-        """[n_rows + k, n_in] in extra's dtype: this matrix, then the k rows of `extra` (a LoRA's
-        A, so that one matmul gives both x W^T and x A^T, and one the input's gradient through
-        both). A dense matrix held in that dtype moves, once, into storage with room for the
-        rows after it; blocks are dequantized into a thread buffer that has it."""
-        n, k, dtype = self.n_rows, extra.shape[0], extra.dtype
-        held = self.ready(dtype)
-        if held is not None:
-            room = self._extended
-            if room is None or room.shape[0] != n + k or room.data_ptr() != held.data_ptr():
-                room = torch.empty(n + k, held.shape[1], dtype=dtype, device=held.device)
-                room[:n].copy_(held)
-                if held is self.kept:
-                    self.kept = room[:n]
-                else:
-                    self.data = room[:n]
-                self._extended = room
-            room[n:].copy_(extra)
-            return room
-        if self.is_dense or self.data.device.type != "cpu":
-            return torch.cat([self.dense(dtype), extra])
-        room = _buffer((n + k, self.shape[-1]), dtype)
-        self._dequantize_into(room[:n], 0)
-        room[n:].copy_(extra)
-        return room
+        shape = (stop - start, self.shape[-1])
+        if dtype in native_dequant.OUTPUTS:  # written in that dtype by the C loops, or copied into it once
+            return dequantize(self.data[start:stop], self.qtype, shape, dtype, out=_buffer(shape, dtype))
+        values = dequantize(self.data[start:stop], self.qtype, shape, out=_buffer(shape, torch.float32))
+        return _buffer(shape, dtype).copy_(values)
 
     def dense_nbytes(self, dtype: torch.dtype) -> int:
         """What a dense copy in `dtype` costs."""

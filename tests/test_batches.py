@@ -135,9 +135,8 @@ def test_a_checkpointed_pass_recomputes_all_but_each_segments_down_projection(ti
     adapter = attach_lora(model, ["auto"], 4, 8.0, seed=0)
     batch = pack([seq(range(200, 260))])
     reads = []
-    for method in ("borrow_rows", "with_rows"):  # the base matmul alone, or with a LoRA's A (lora._LoRAProjection)
-        original = getattr(FrozenWeight, method)
-        monkeypatch.setattr(FrozenWeight, method, lambda w, *a, original=original: reads.append(w.name) or original(w, *a))
+    borrow = FrozenWeight.borrow_rows
+    monkeypatch.setattr(FrozenWeight, "borrow_rows", lambda w, *a: reads.append(w.name) or borrow(w, *a))
 
     def reads_per_step(every: int, block: int) -> list[int]:
         reads.clear()

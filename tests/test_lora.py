@@ -121,13 +121,12 @@ def test_the_adapters_gradients_are_those_of_its_formula(dtype):
 
 
 @pytest.mark.parametrize("held", ["f32", "bf16", "q8_0"])
-def test_the_input_gradient_through_w_and_a_is_one_matmul(held, monkeypatch):
-    """_PlusBase adds the base output and computes the input's gradient through W and A as one
-    matmul ([dL/dout, dL/dh] [W; A]); without it (as for experts) the delta's node computes
-    its own share and autograd sums the two. Same output bit for bit, same gradients of A and
-    B bit for bit, the input's to a rounding of the compute dtype (rounded once, not twice).
-    Dense weights move once into storage with room for A's rows, which leaves the base model
-    as it was; quantized blocks are dequantized with them per use."""
+def test_the_input_gradient_through_w_accumulates_into_the_one_through_a(held, monkeypatch):
+    """_PlusBase adds the base output, and the input's gradient through W accumulates into the
+    one through A (addmm_); without it (as for experts) the delta's node computes its own share
+    and autograd sums the two. Same output bit for bit, same gradients of A and B bit for bit,
+    the input's to a rounding of the compute dtype (rounded twice, not three times); the base
+    model as it was. Dense and quantized weights."""
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import quantize
 
@@ -169,10 +168,6 @@ def test_the_input_gradient_through_w_and_a_is_one_matmul(held, monkeypatch):
     assert out.dtype == out_s.dtype == torch.float32 and torch.equal(out, out_s)
     assert torch.equal(da, da_s) and torch.equal(db, db_s)
     step = 2**-6 if dtype == torch.bfloat16 else 1e-6  # bf16: two roundings of the largest (one ulp is 2^-7 of it)
-    assert 0 < (dx.float() - dx_s.float()).abs().max() <= step * dx_s.float().abs().max()
+    assert (dx.float() - dx_s.float()).abs().max() <= step * dx_s.float().abs().max()
     with torch.no_grad():
         assert torch.equal(layer.base(x), base_before)
-    if held != "q8_0":
-        room = weight.with_rows(layer.lora_a.to(dtype))
-        assert room.shape == (48, 64) and weight.data.data_ptr() == room.data_ptr()
-        assert torch.equal(weight.data, matrix.to(dtype)) and torch.equal(room[40:], layer.lora_a.to(dtype))

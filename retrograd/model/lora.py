@@ -198,13 +198,13 @@ class _LoRADelta(torch.autograd.Function):
 
 class _PlusBase(torch.autograd.Function):
     """delta + x W^T for a frozen W, the delta _LoRADelta's (float32). Backward, the input's
-    gradient through W and through the LoRA's A as one matmul, A's rows after W's
-    (FrozenWeight.with_rows): [dL/dout, dL/dh] [W; A]. At a 0.5B llama's widths in bf16 that
-    saves, per projection, a rank-r matmul (80-100 us, mostly oneDNN's per-call cost) and the
-    sum of two [T, n_in] gradients (0.1 ms; 0.7 ms for the down projection's): 4% of a step.
-    The input's gradient is rounded to x's dtype once instead of twice; every other number is
-    the one a separate base matmul gives (experts and biased projections keep that). Saves no
-    tensor, so a checkpointed recomputation still stops before its matmul."""
+    gradient through the LoRA's A, dL/dh A, is the matrix the base's dL/dout W accumulates
+    into (addmm_: oneDNN adds it as the matmul writes), where autograd would add two [T, n_in]
+    gradients: 0.1 ms per projection at a 0.5B llama's widths in bf16, 0.7 ms at the down
+    projection's input. The input's gradient is rounded to x's dtype twice instead of three
+    times; every other number is the one a separate base matmul gives (experts and biased
+    projections keep that). Saves no tensor, so a checkpointed recomputation still stops
+    before its matmul."""
 
     @staticmethod
     def forward(ctx, delta, x, weight, factors: _Factors):
@@ -217,13 +217,12 @@ class _PlusBase(torch.autograd.Function):
     def backward(ctx, grad):
         factors, weight = ctx.factors, ctx.weight
         shape, grad = grad.shape, grad.flatten(0, -2)
-        a_x, n_out = factors.a_x, weight.n_rows
-        both = grad.new_empty(grad.shape[0], n_out + a_x.shape[0], dtype=a_x.dtype)  # [T, n_out + r]
-        both[:, :n_out] = grad
-        both[:, n_out:] = grad @ factors.b_scaled  # dL/dh, rounded to x's dtype
-        factors.grad_h = both[:, n_out:]
-        grad_x = (both @ weight.with_rows(a_x)).view(*shape[:-1], -1) if ctx.needs_input_grad[1] else None
-        return grad.view(shape), grad_x, None, None
+        a_x = factors.a_x
+        factors.grad_h = (grad @ factors.b_scaled).to(a_x.dtype)  # dL/dh [T, r], as _LoRADelta rounds it
+        if not ctx.needs_input_grad[1]:
+            return grad.view(shape), None, None, None
+        grad_x = (factors.grad_h @ a_x).addmm_(grad.to(a_x.dtype), weight.borrow_rows(0, weight.n_rows, a_x.dtype))
+        return grad.view(shape), grad_x.view(*shape[:-1], -1), None, None
 
 
 @dataclass
