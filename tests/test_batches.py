@@ -148,7 +148,8 @@ def test_a_checkpointed_pass_recomputes_all_but_each_segments_down_projection(ti
     assert reads_per_step(0, 1) == [2, 2, 2, 2]
     assert reads_per_step(1, 1) == [3, 3, 3, 2]
     # one segment of both blocks: block 0 is recomputed whole (its q reads the embeddings, which
-    # need no gradient: its backward has no input gradient to compute, so no matmul), block 1 but its down projection
+    # need no gradient: read by its forward and the recomputation, not by a backward matmul; _PlusBase
+    # borrows the matrix even where it is held dense, as a slice), block 1 but its down projection
     assert reads_per_step(2, 0) == [2, 3, 3, 3]
     assert reads_per_step(2, 1) == [3, 3, 3, 2]
 
