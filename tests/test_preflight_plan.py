@@ -122,7 +122,10 @@ def test_a_run_over_budget_gets_the_first_rung_that_fits(tmp_path):
     smaller micro-batch (with the accumulation that keeps the step's size) that fits."""
     cfg = sft_config(tmp_path, rows=24, micro_batch=512)
     measured = planner.run_probe(load_config(cfg), planner.default_budget(), units=2)
-    budget = measured.setup_bytes + (measured.peak_bytes - measured.setup_bytes) // 2
+    # Three quarters of the way from setup to peak: a step's memory has a part that does not
+    # shrink with the micro-batch (about 0.15 GiB here), so at half of it even micro_batch 128
+    # fitted with 1% to spare, and the rung picked was up to the RSS sampling's luck.
+    budget = measured.setup_bytes + 3 * (measured.peak_bytes - measured.setup_bytes) // 4
     run = subprocess.run([*RETROGRAD, "preflight", str(cfg), "--memory", f"{budget / 2**20:.0f}MiB", "--probe-steps", "2"],
                          capture_output=True, text=True, cwd=tmp_path)
     out = run.stdout + run.stderr
