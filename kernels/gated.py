@@ -178,7 +178,7 @@ P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load("gated", SOURCE)
+    lib = native.load("gated", SOURCE, fma=True)
     for suffix in SUFFIXES.values() if lib is not None else ():
         forward, backward = getattr(lib, "silu_forward" + suffix), getattr(lib, "silu_backward" + suffix)
         forward.argtypes = [P, P, P, P, I64, P, P, I64, P, P, P, I64, I64, INT]

@@ -6,7 +6,9 @@ its source, the flags and the CPU's features, and written atomically so concurre
 agree. Without a compiler, or with $RETROGRAD_NO_COMPILE set, `load` returns None and callers
 use torch. OpenMP binds to the libgomp torch has already loaded, so torch.set_num_threads
 governs it too. `-ffp-contract=off` keeps the compiler from fusing a multiply and an add, so a
-loop that does torch's float operations in torch's order gives torch's bits.
+loop that does torch's float operations in torch's order gives torch's bits; a library that
+does not aim for torch's bits asks for fused ones (`load(..., fma=True)`): the gated product's
+rank-r sums are half the instructions then (backward 15% faster on a Xeon).
 `-fno-trapping-math` changes no value: it lets GCC turn a float comparison in a loop (a
 clamp, a select) into a vector blend on AVX2, where it otherwise keeps the loop scalar
 (AVX-512 has masks and vectorizes either way). On a Zen 3 EPYC the FFN's gated product
@@ -33,6 +35,7 @@ from pathlib import Path
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-std=c11")
 GCC_FLAGS = ("-fno-thread-jumps",)
 NATIVE = ("-march=native",)
+FUSED = "-ffp-contract=fast"  # after FLAGS' -ffp-contract=off, which it overrides
 
 # C helpers the libraries share: bfloat16 in and out, rounded as torch rounds
 BF16 = r"""
@@ -87,10 +90,11 @@ def is_gcc(cc: str) -> bool:
     return "clang" not in version.lower()
 
 
-def build(stem: str, source: str, cc: str) -> Path:
+def build(stem: str, source: str, cc: str, fma: bool = False) -> Path:
     """`source` compiled for this CPU (-march=native: vector code the machine has, e.g.
     AVX-512 on a Xeon), or for the architecture's baseline where the compiler refuses that."""
-    key = hashlib.sha256((source + " ".join(FLAGS + GCC_FLAGS + NATIVE) + cpu()).encode()).hexdigest()[:16]
+    fused = (FUSED,) * fma
+    key = hashlib.sha256((source + " ".join(FLAGS + GCC_FLAGS + NATIVE + fused) + cpu()).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{stem}-{key}.so"
     if lib.exists():
         return lib
@@ -98,7 +102,7 @@ def build(stem: str, source: str, cc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         src, built = Path(tmp) / f"{stem}.c", Path(tmp) / lib.name
         src.write_text(source)
-        flags = FLAGS + (GCC_FLAGS if is_gcc(cc) else ())
+        flags = FLAGS + (GCC_FLAGS if is_gcc(cc) else ()) + fused
         try:
             subprocess.run([cc, *flags, *NATIVE, "-o", str(built), str(src)], check=True, capture_output=True)
         except subprocess.CalledProcessError:
@@ -107,13 +111,13 @@ def build(stem: str, source: str, cc: str) -> Path:
     return lib
 
 
-def load(stem: str, source: str) -> ctypes.CDLL | None:
-    """The library built from `source`, or None where it cannot be built or loaded (no
-    compiler, no OpenMP headers, a read-only cache, ...)."""
+def load(stem: str, source: str, *, fma: bool = False) -> ctypes.CDLL | None:
+    """The library built from `source` (with fused multiply-adds if `fma`), or None where it
+    cannot be built or loaded (no compiler, no OpenMP headers, a read-only cache, ...)."""
     cc = compiler()
     if cc is None:
         return None
     try:
-        return ctypes.CDLL(str(build(stem, source, cc)))
+        return ctypes.CDLL(str(build(stem, source, cc, fma)))
     except (OSError, subprocess.CalledProcessError):
         return None
