@@ -17,47 +17,19 @@ rounding, not bit for bit.
 from __future__ import annotations
 
 import ctypes
+import string
 from functools import cache
 
 import torch
 
 from retrograd.runtime import native
 
-SOURCE = r"""
+COMMON = native.BF16 + r"""
 #include <math.h>
-#include <stdint.h>
 
-/* y = x * r * w per row of n, r = 1 / sqrt(mean(x^2) + eps) kept in rstd [T] */
-void rms_forward(const float *x, const float *w, float eps, float *y, float *rstd, int64_t T, int64_t n, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if(T * n >= 32768)
-    for (int64_t t = 0; t < T; t++) {
-        const float *row = x + t * n;
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t i = 0; i < n; i++) sum += row[i] * row[i];
-        const float r = 1.0f / sqrtf(sum / (float)n + eps);
-        rstd[t] = r;
-        float *out = y + t * n;
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++) out[i] = row[i] * r * w[i];
-    }
-}
+static inline float f32_in(float x) { return x; }
+static inline float f32_out(float x) { return x; }
 
-/* dx = r (g w) - x r^3 mean(g w x), the derivative of y = x r w through r as well */
-void rms_backward(const float *g, const float *x, const float *w, const float *rstd, float *dx,
-                  int64_t T, int64_t n, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if(T * n >= 32768)
-    for (int64_t t = 0; t < T; t++) {
-        const float *gr = g + t * n, *xr = x + t * n;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+:dot)
-        for (int64_t i = 0; i < n; i++) dot += gr[i] * w[i] * xr[i];
-        const float r = rstd[t], c = r * r * r * dot / (float)n;
-        float *out = dx + t * n;
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++) out[i] = r * (gr[i] * w[i]) - xr[i] * c;
-    }
-}
 
 /* x [T, H, D] -> y: the first 2 * half dims of each head turned by the angle whose cos and
    sin [T, half] give (sign -1: by minus it, the backward), the rest copied. neox pairs
@@ -83,6 +55,46 @@ void rope(const float *x, const float *cos_, const float *sin_, float *y, int64_
 }
 """
 
+# the norm per element type of its output (and of the gradient that comes back for it)
+NORM = string.Template(r"""
+/* y = x * r * w per row of n, r = 1 / sqrt(mean(x^2) + eps) kept in rstd [T]; y in $elem */
+void rms_forward$suffix(const float *x, const float *w, float eps, $elem *y, float *rstd, int64_t T, int64_t n, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if(T * n >= 32768)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = x + t * n;
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t i = 0; i < n; i++) sum += row[i] * row[i];
+        const float r = 1.0f / sqrtf(sum / (float)n + eps);
+        rstd[t] = r;
+        $elem *out = y + t * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[i] = $store(row[i] * r * w[i]);
+    }
+}
+
+/* dx = r (g w) - x r^3 mean(g w x), the derivative of y = x r w through r as well; g in $elem */
+void rms_backward$suffix(const $elem *g, const float *x, const float *w, const float *rstd, float *dx,
+                  int64_t T, int64_t n, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if(T * n >= 32768)
+    for (int64_t t = 0; t < T; t++) {
+        const $elem *gr = g + t * n;
+        const float *xr = x + t * n;
+        float dot = 0.0f;
+        #pragma omp simd reduction(+:dot)
+        for (int64_t i = 0; i < n; i++) dot += $load(gr[i]) * w[i] * xr[i];
+        const float r = rstd[t], c = r * r * r * dot / (float)n;
+        float *out = dx + t * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[i] = r * ($load(gr[i]) * w[i]) - xr[i] * c;
+    }
+}
+""")
+
+ELEMENTS = {torch.float32: ("float", "f32_in", "f32_out"), torch.bfloat16: ("uint16_t", "from_bf16", "bf16")}
+SUFFIXES = {torch.float32: "", torch.bfloat16: "_bf16"}
+SOURCE = COMMON + "".join(NORM.substitute(suffix=SUFFIXES[t], elem=e, load=load, store=store) for t, (e, load, store) in ELEMENTS.items())
+
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -90,10 +102,12 @@ P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 def _library() -> ctypes.CDLL | None:
     lib = native.load("rowwise", SOURCE)
     if lib is not None:
-        lib.rms_forward.argtypes = [P, P, F32, P, P, I64, I64, INT]
-        lib.rms_backward.argtypes = [P, P, P, P, P, I64, I64, INT]
+        for suffix in SUFFIXES.values():
+            forward, backward = getattr(lib, "rms_forward" + suffix), getattr(lib, "rms_backward" + suffix)
+            forward.argtypes, backward.argtypes = [P, P, F32, P, P, I64, I64, INT], [P, P, P, P, P, I64, I64, INT]
+            forward.restype = backward.restype = None
         lib.rope.argtypes = [P, P, P, P, I64, I64, I64, I64, INT, F32, INT]
-        lib.rms_forward.restype = lib.rms_backward.restype = lib.rope.restype = None
+        lib.rope.restype = None
     return lib
 
 
@@ -109,29 +123,31 @@ def applies(*tensors: torch.Tensor) -> bool:
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """x [..., n] float32, weight [n] -> x / sqrt(mean(x^2) + eps) * weight; saves x and the
-    per-row scale."""
+    """x [..., n] float32, weight [n] -> x / sqrt(mean(x^2) + eps) * weight in `dtype` (float32
+    or bf16: rounded as the float32 result's cast would be, without the cast's passes each
+    way); saves x and the per-row scale."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
         x = x.contiguous()
         n = x.shape[-1]
-        y, rstd = torch.empty_like(x), x.new_empty(x.numel() // n)
-        _library().rms_forward(x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), rstd.data_ptr(), rstd.numel(), n,
-                               torch.get_num_threads())
+        y, rstd = torch.empty_like(x, dtype=dtype), x.new_empty(x.numel() // n)
+        getattr(_library(), "rms_forward" + SUFFIXES[dtype])(
+            x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), rstd.data_ptr(), rstd.numel(), n, torch.get_num_threads())
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         x, weight, rstd = ctx.saved_tensors
-        grad = grad.float().contiguous()
+        grad = grad.contiguous()
         dx = torch.empty_like(x)
-        _library().rms_backward(grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
-                                rstd.numel(), x.shape[-1], torch.get_num_threads())
-        return dx, None, None
+        getattr(_library(), "rms_backward" + SUFFIXES[grad.dtype])(
+            grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dx.data_ptr(), rstd.numel(), x.shape[-1],
+            torch.get_num_threads())
+        return dx, None, None, None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool, sign: float) -> torch.Tensor:

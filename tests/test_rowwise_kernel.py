@@ -45,6 +45,24 @@ def test_rms_norm_agrees_with_torch_and_float64(shape, monkeypatch):
     assert relative(ours[1], xd.grad) <= 2 * relative(theirs[1], xd.grad) + 4 * 2**-24
 
 
+def test_rms_norm_writes_bf16_as_its_float32_output_cast(monkeypatch):
+    """A pre-norm in front of bf16 projections writes bf16 itself: the bits of its float32
+    output cast, and from a bf16 gradient the input gradient the float32 pass gives for that
+    gradient (to an ulp); the torch path rounds the same way."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 272, generator=g) * 3
+    norm = RMSNorm(torch.rand(272, generator=g) + 0.5, 1e-5)
+    grad = torch.randn(300, 272, generator=g).bfloat16()
+    as_bf16, as_float = (forward_backward(lambda t, dtype=dtype: norm(t, dtype), x, grad.to(dtype), True, monkeypatch)
+                         for dtype in (torch.bfloat16, torch.float32))
+    assert as_bf16[0].dtype == torch.bfloat16 and torch.equal(as_bf16[0], as_float[0].bfloat16())
+    assert relative(as_bf16[1], as_float[1]) < 4 * 2**-24  # the dot product's vector order may differ
+    torch_path = forward_backward(lambda t: norm(t, torch.bfloat16), x, grad, False, monkeypatch)
+    assert torch_path[0].dtype == torch.bfloat16
+    assert (torch_path[0].float() - as_bf16[0].float()).abs().max() <= 2**-7 * as_bf16[0].float().abs().max()
+    assert relative(as_bf16[1], torch_path[1]) < 1e-5
+
+
 @pytest.mark.parametrize("style", ["neox", "norm"])
 @pytest.mark.parametrize("n_rot", [64, 32], ids=["full", "partial"])
 def test_rope_forward_is_torchs_bits_and_backward_turns_back(style, n_rot, monkeypatch):

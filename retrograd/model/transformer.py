@@ -43,11 +43,13 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The norm of x in float32, rounded to `dtype` (a pre-norm's output goes to bf16
+        projections: the C pass writes it so, with no cast's pass forward and back)."""
         x = x.float()
-        if rowwise.applies(x, self.weight):  # one C pass each way (kernels/rowwise.py)
-            return rowwise.RMSNormFunction.apply(x, self.weight, self.eps)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        if rowwise.applies(x, self.weight) and dtype in rowwise.SUFFIXES:  # one C pass each way (kernels/rowwise.py)
+            return rowwise.RMSNormFunction.apply(x, self.weight, self.eps, dtype)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(dtype)
 
 
 class RotaryTable:
@@ -382,13 +384,14 @@ class Block(nn.Module):
         super().__init__()
         p = f"blk.{i}."
         # olmo2 has no pre-norms: its branches read the residual stream as it is
-        self.attn_norm = RMSNorm(vec[p + "attn_norm.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
+        self.attn_norm = RMSNorm(vec[p + "attn_norm.weight"], spec.norm_eps) if spec.pre_norm else None
         self.attn = ShortConv(spec, i, w, vec) if spec.conv_layers[i] else Attention(spec, i, w, vec)
-        self.ffn_norm = RMSNorm(vec[p + f"{spec.ffn_norm}.weight"], spec.norm_eps) if spec.pre_norm else nn.Identity()
+        self.ffn_norm = RMSNorm(vec[p + f"{spec.ffn_norm}.weight"], spec.norm_eps) if spec.pre_norm else None
         if spec.moe_layers[i]:  # a mixture of experts in place of the dense FFN
             self.ffn = MoEFeedForward(spec, i, w, vec)
         else:
             self.ffn = FeedForward(spec, i, w, vec)
+        self.ffn_reads_float = spec.moe_layers[i]  # the router's logits come from the float32 norm
         # gemma2/gemma3/olmo2's sandwich norms: one more RMSNorm on each branch's output
         self.post_attention_norm = RMSNorm(vec[p + "post_attention_norm.weight"], spec.norm_eps) if spec.sandwich_norm else None
         self.post_ffw_norm = RMSNorm(vec[p + "post_ffw_norm.weight"], spec.norm_eps) if spec.sandwich_norm else None
@@ -396,20 +399,27 @@ class Block(nn.Module):
         self.residual_scale = spec.residual_scale  # granite's branch multiplier; 1 elsewhere
 
     def forward(self, x, p: _Pass):
+        """x [T, E] float32 -> the same; a branch's output in the compute dtype is added as it
+        is (the sum is float32: the same values as casting it first, without the cast's passes)."""
         rope, mask = (p.rope_local, p.mask_local) if self.sliding else (p.rope, None)
-        a = self.attn(self.attn_norm(x), rope, mask, p).float()
+        a = self.attn(_normed(self.attn_norm, x, p.compute_dtype), rope, mask, p)
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
         x = x + self._scaled(a)
-        f = self.ffn(self.ffn_norm(x), p.compute_dtype).float()
+        f = self.ffn(_normed(self.ffn_norm, x, torch.float32 if self.ffn_reads_float else p.compute_dtype), p.compute_dtype)
         if self.post_ffw_norm is not None:
             f = self.post_ffw_norm(f)
         return x + self._scaled(f)
 
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
-        """The branch times granite's multiplier; as it is where that is 1 (a product by 1 is
-        a pass over the tensor each way for nothing)."""
-        return branch if self.residual_scale == 1 else branch * self.residual_scale
+        """The branch times granite's multiplier, in float32; as it is where that is 1 (a
+        product by 1 is a pass over the tensor each way for nothing)."""
+        return branch if self.residual_scale == 1 else branch.float() * self.residual_scale
+
+
+def _normed(norm: RMSNorm | None, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A branch's input: its pre-norm's output in `dtype`, or the residual stream (olmo2)."""
+    return x if norm is None else norm(x, dtype)
 
 
 class Transformer(nn.Module):
