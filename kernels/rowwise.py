@@ -1,5 +1,6 @@
 """RMSNorm and rotary embeddings, forward and backward, in C for the CPU (built by
-retrograd/runtime/native.py), on float32 rows.
+retrograd/runtime/native.py), on float32 rows (a norm may write its output, and read its
+gradient, in bf16).
 
 In torch an RMSNorm is six passes over [tokens, width] forward (square, mean, add, rsqrt,
 two products) and autograd's backward about ten; RoPE slices each head into halves,
