@@ -1,5 +1,6 @@
 """Every block dequantizer, the torch codecs and the C loops, equals gguf.quants.dequantize bit for bit."""
 
+import ctypes
 import threading
 
 import gguf
@@ -164,12 +165,32 @@ def test_a_library_is_built_per_cpu_and_falls_back_to_the_baseline(monkeypatch, 
     outputs = []
     for lib in (here, baseline):
         native_dequant._library.cache_clear()
-        monkeypatch.setattr(native, "build", lambda stem, source, cc, lib=lib: lib)
+        monkeypatch.setattr(native, "build", lambda stem, source, cc, fma=False, lib=lib: lib)
+        assert native_dequant._library() is not None  # the C pass runs, not torch's fallback
         outputs.append([dequantize(raw, QT.Q4_0, (2048 * 32,), dtype) for dtype in (torch.float32, torch.bfloat16)])
     native_dequant._library.cache_clear()
     for a, b in zip(*outputs):
         assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
                            b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+
+
+FUSED_OR_NOT = r"""
+float multiply_add(float a, float b, float c) { return a * b + c; }
+"""
+
+
+@pytest.mark.skipif(" fma " not in native.cpu() + " ", reason="no FMA unit to fuse with")
+def test_only_a_library_that_asks_for_it_fuses_multiply_adds(monkeypatch, tmp_path):
+    """(1 + 2^-12)^2 - (1 + 2^-11) is 2^-24 exactly, but 0 once the product is rounded: the
+    libraries that give torch's bits round it, the gated product's (fma=True) does not."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a, c = 1 + 2**-12, -(1 + 2**-11)
+    results = {}
+    for fma in (False, True):
+        lib = ctypes.CDLL(str(native.build("fused", FUSED_OR_NOT, native.compiler(), fma)))
+        lib.multiply_add.argtypes, lib.multiply_add.restype = [ctypes.c_float] * 3, ctypes.c_float
+        results[fma] = lib.multiply_add(a, a, c)
+    assert results == {False: 0.0, True: 2**-24}
 
 
 def test_a_compiler_that_refuses_gccs_flags_still_builds(monkeypatch, tmp_path):
@@ -191,8 +212,9 @@ exec {cc} "$@"
     raw = torch.from_numpy(random_blocks(QT.Q4_K, 64, np.random.default_rng(6)))
     expected = dequantize(raw, QT.Q4_K, (64 * 256,), torch.float32)
     native_dequant._library.cache_clear()
-    monkeypatch.setattr(native, "build", lambda stem, source, cc: lib)
+    monkeypatch.setattr(native, "build", lambda stem, source, cc, fma=False: lib)
     try:
+        assert native_dequant._library() is not None
         assert torch.equal(dequantize(raw, QT.Q4_K, (64 * 256,), torch.float32).view(torch.int32), expected.view(torch.int32))
     finally:
         native_dequant._library.cache_clear()
