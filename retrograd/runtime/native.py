@@ -93,7 +93,7 @@ def is_gcc(cc: str) -> bool:
 def build(stem: str, source: str, cc: str, fma: bool = False) -> Path:
     """`source` compiled for this CPU (-march=native: vector code the machine has, e.g.
     AVX-512 on a Xeon), or for the architecture's baseline where the compiler refuses that."""
-    fused = (FUSED,) * fma
+    fused = (FUSED,) if fma else ()
     key = hashlib.sha256((source + " ".join(FLAGS + GCC_FLAGS + NATIVE + fused) + cpu()).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{stem}-{key}.so"
     if lib.exists():
