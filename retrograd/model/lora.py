@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from retrograd.errors import ConfigError
-from retrograd.model.layers import FrozenLinear
+from retrograd.model.layers import FrozenLinear, rank_rows_product
 from retrograd.model.moe import FrozenExperts
 from retrograd.model.transformer import Transformer
 
@@ -185,12 +185,12 @@ class _LoRADelta(torch.autograd.Function):
     def backward(ctx, grad):
         x, a_x, h, b_scaled = ctx.saved_tensors
         grad = grad.flatten(0, -2)
-        grad_b = (grad.t() @ h.flatten(0, -2)).mul_(ctx.scale)  # [out, r]
+        grad_b = rank_rows_product(h.flatten(0, -2), grad).mul_(ctx.scale).t()  # [out, r]
         if ctx.factors is not None:
             grad_h, grad_x = ctx.factors.grad_h, None
             del ctx.factors.grad_h
         else:
-            grad_h = (grad @ b_scaled).to(x.dtype)  # [T, r]
+            grad_h = rank_rows_product(b_scaled, grad.t()).t().to(x.dtype)  # [T, r]
             grad_x = (grad_h @ a_x).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_a = (grad_h.t() @ x.flatten(0, -2)).float()  # [r, in]
         return grad_x, grad_a, grad_b, None, None
@@ -218,7 +218,7 @@ class _PlusBase(torch.autograd.Function):
         factors, weight = ctx.factors, ctx.weight
         shape, grad = grad.shape, grad.flatten(0, -2)
         a_x = factors.a_x
-        factors.grad_h = (grad @ factors.b_scaled).to(a_x.dtype)  # dL/dh [T, r], as _LoRADelta rounds it
+        factors.grad_h = rank_rows_product(factors.b_scaled, grad.t()).t().to(a_x.dtype)  # dL/dh [T, r], as _LoRADelta rounds it
         if not ctx.needs_input_grad[1]:
             return grad.view(shape), None, None, None
         grad_x = (factors.grad_h @ a_x).addmm_(grad.to(a_x.dtype), weight.borrow_rows(0, weight.n_rows, a_x.dtype))
