@@ -51,11 +51,12 @@ def error(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("T, F, r", [(300, 272, 8), (37, 48, 3)], ids=["threads", "one-thread-tails"])
+@pytest.mark.parametrize("T, F, r", [(300, 272, 8), (37, 48, 3), (64, 48, 15)], ids=["threads", "one-thread-tails", "rank-tiles"])
 def test_as_accurate_as_the_torch_path(T, F, r, dtype, monkeypatch):
     """Output and every gradient within the compute dtype's rounding of float64, and no further
     from it than GatedProduct's torch path: 300 x 272 runs on both threads (F is two column
-    blocks and a part), 37 x 48 on one, with a row group cut short."""
+    blocks and a part), 37 x 48 on one, with a row group cut short; rank 3 takes the backward's
+    tiles of 2 and 1 ranks, rank 15 a whole tile of 8 and the 4, 2 and 1 after it."""
     y, h, b, grad = inputs(T, F, r, dtype=dtype)
     ref = reference(y, h, b, grad)
     ours, theirs = run(y, h, b, grad, True, monkeypatch), run(y, h, b, grad, False, monkeypatch)
