@@ -8,7 +8,9 @@ float32 casts of the two gradients and back, the LoRA factors' gradients from fl
 copies). Each pass is memory-bound: on a 0.5B llama they took over a quarter of a bf16 pass.
 Here each direction is one pass over the rows, the values in registers from the bf16
 projections to the bf16 outputs, and the backward also sums the factors' gradients from the
-float32 derivatives it has just computed (torch's path rounds them to bf16 first).
+float32 derivatives it has just computed (torch's path rounds them to bf16 first). At high
+ranks those products are the BLAS's instead (BLAS_RANK): the pass reads the deltas, or writes
+the float32 derivatives, as [T, F] float32, and the matmuls run beside it.
 
 A delta is scale * (x A^T) B^T: the caller passes h = x A^T [T, r] and bt = (scale B)^T [r, F]
 in float32, and gets dL/dh and dL/dbt back. The math is `GatedProduct`'s (model/layers.py)
@@ -134,11 +136,22 @@ static inline void with_delta$suffix(float (*v)[BLOCK], const $elem *y, int64_t 
     }
 }
 
+/* v[i] = y[i] + delta[i] for m rows' block, the delta's product done by the BLAS (rows F apart). */
+static inline void with_dense$suffix(float (*v)[BLOCK], const $elem *y, int64_t m, const float *delta, int64_t F, int64_t n) {
+    for (int64_t i = 0; i < m; i++) {
+        #pragma omp simd
+        for (int64_t j = 0; j < n; j++) v[i][j] = $load(y[i * F + j]) + delta[i * F + j];
+    }
+}
+
 /* gate = yg + delta_g, up = yu + delta_u in float32; writes gate and up (what backward reads;
-   NULL: not needed) and silu(gate) * up, each rounded once to $elem. F is a multiple of 16. A
-   task is a group of ROWS rows, walked a column block at a time (as backward). */
+   NULL: not needed) and silu(gate) * up, each rounded once to $elem. A delta is either its
+   factors (h, bt, r) or its float32 product [T, F] (dg, du; NULL: from the factors, which with
+   r = 0 mean none). F is a multiple of 16. A task is a group of ROWS rows, walked a column
+   block at a time (as backward). */
 void silu_forward$suffix(const $elem *yg, const $elem *yu,
                   const float *hg, const float *bgt, int64_t rg, const float *hu, const float *but, int64_t ru,
+                  const float *dg, const float *du,
                   $elem *gate, $elem *up, $elem *out, int64_t T, int64_t F, int threads) {
     const int64_t groups = (T + ROWS - 1) / ROWS;
     #pragma omp parallel for schedule(static) num_threads(threads) if(T * F >= 65536)
@@ -147,8 +160,10 @@ void silu_forward$suffix(const $elem *yg, const $elem *yu,
         for (int64_t f0 = 0; f0 < F; f0 += BLOCK) {
             const int64_t n = F - f0 < BLOCK ? F - f0 : BLOCK;
             float g[ROWS][BLOCK], u[ROWS][BLOCK];
-            with_delta$suffix(g, yg + t0 * F + f0, m, hg + t0 * rg, bgt + f0, rg, F, n);
-            with_delta$suffix(u, yu + t0 * F + f0, m, hu + t0 * ru, but + f0, ru, F, n);
+            if (dg) with_dense$suffix(g, yg + t0 * F + f0, m, dg + t0 * F + f0, F, n);
+            else with_delta$suffix(g, yg + t0 * F + f0, m, hg + t0 * rg, bgt + f0, rg, F, n);
+            if (du) with_dense$suffix(u, yu + t0 * F + f0, m, du + t0 * F + f0, F, n);
+            else with_delta$suffix(u, yu + t0 * F + f0, m, hu + t0 * ru, but + f0, ru, F, n);
             for (int64_t i = 0; i < m; i++) {
                 const int64_t at = (t0 + i) * F + f0;
                 if (gate) {
@@ -162,14 +177,15 @@ void silu_forward$suffix(const $elem *yg, const $elem *yu,
     }
 }
 
-/* From dL/dout, gate and up: writes dL/dgate, dL/dup (in $elem) and, for each delta,
-   per-thread partial sums of dL/dbt [threads, r, F] and of dL/dh [threads, T, r] (zeroed by
-   the caller). F is a multiple of 16. A task is a group of ROWS rows, walked a column block
-   at a time. */
+/* From dL/dout, gate and up: writes dL/dgate, dL/dup (in $elem) and, for each delta given by
+   its factors, per-thread partial sums of dL/dbt [threads, r, F] and of dL/dh [threads, T, r]
+   (zeroed by the caller); for a delta whose products the BLAS does, dL/dgate or dL/dup in
+   float32 (dg32, du32 [T, F]; NULL: not wanted). F is a multiple of 16. A task is a group of
+   ROWS rows, walked a column block at a time. */
 void silu_backward$suffix(const $elem *grad, const $elem *gate, const $elem *up, $elem *dgate, $elem *dup,
                    const float *hg, const float *bgt, float *dbgt, float *dhg, int64_t rg,
                    const float *hu, const float *but, float *dbut, float *dhu, int64_t ru,
-                   int64_t T, int64_t F, int threads) {
+                   float *dg32, float *du32, int64_t T, int64_t F, int threads) {
     const int64_t groups = (T + ROWS - 1) / ROWS;
     #pragma omp parallel num_threads(threads) if(T * F >= 65536)
     {
@@ -193,6 +209,14 @@ void silu_backward$suffix(const $elem *grad, const $elem *gate, const $elem *up,
                         dgate[at + j] = $store(dg[i][j]);
                         dup[at + j] = $store(du[i][j]);
                     }
+                    if (dg32) {
+                        #pragma omp simd
+                        for (int64_t j = 0; j < n; j++) dg32[at + j] = dg[i][j];
+                    }
+                    if (du32) {
+                        #pragma omp simd
+                        for (int64_t j = 0; j < n; j++) du32[at + j] = du[i][j];
+                    }
                 }
                 low_rank_grads(dg, m, hg + t0 * rg, bgt + f0, my_dbgt + f0, my_dhg + t0 * rg, rg, F, n);
                 low_rank_grads(du, m, hu + t0 * ru, but + f0, my_dbut + f0, my_dhu + t0 * ru, ru, F, n);
@@ -208,6 +232,11 @@ SOURCE = COMMON + "".join(TEMPLATE.substitute(suffix=SUFFIXES[t], elem=e, load=l
                           for t, (e, load, store) in TYPES.items())
 
 P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# From this rank on the deltas' products go to the BLAS, the C pass reading (forward) or writing
+# (backward) them as float32 [T, F]: measured in a 0.5B bf16 step (Xeon), the C pass's own
+# products are faster at rank 24 and below (through memory at rank 16: +8%), the BLAS's from
+# rank 32 (-6%; rank 64 -17%).
+BLAS_RANK = 32
 
 
 @cache
@@ -215,8 +244,8 @@ def _library() -> ctypes.CDLL | None:
     lib = native.load("gated", SOURCE, fma=True)
     for suffix in SUFFIXES.values() if lib is not None else ():
         forward, backward = getattr(lib, "silu_forward" + suffix), getattr(lib, "silu_backward" + suffix)
-        forward.argtypes = [P, P, P, P, I64, P, P, I64, P, P, P, I64, I64, INT]
-        backward.argtypes = [P, P, P, P, P, P, P, P, P, I64, P, P, P, P, I64, I64, I64, INT]
+        forward.argtypes = [P, P, P, P, I64, P, P, I64, P, P, P, P, P, I64, I64, INT]
+        backward.argtypes = [P, P, P, P, P, P, P, P, P, I64, P, P, P, P, I64, P, P, I64, I64, INT]
         forward.restype = backward.restype = None
     return lib
 
@@ -239,17 +268,23 @@ def _factors(low_rank: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.
     return h, bt, h.shape[1]
 
 
+def _in_c(factors: tuple[torch.Tensor | None, torch.Tensor | None, int]):
+    """The factors whose products the C pass computes itself: below BLAS_RANK, else none."""
+    return (None, None, 0) if factors[2] >= BLAS_RANK else factors
+
+
 def silu_forward(yg: torch.Tensor, yu: torch.Tensor, low_rank_g, low_rank_u, keep: bool):
     """yg, yu: [T, F] in bf16 or float32; low_rank_*: (h [T, r], bt [r, F]) or None -> (gate,
     up, out) in yg's dtype, gate and up (with their deltas) None unless `keep` (for backward)."""
     T, F = yg.shape
     yg, yu = yg.contiguous(), yu.contiguous()  # held here: a temporary's pointer would dangle
-    hg, bgt, rg = _factors(low_rank_g)
-    hu, but, ru = _factors(low_rank_u)
+    factors = [_factors(low_rank_g), _factors(low_rank_u)]
+    dg, du = (torch.mm(h, bt) if r >= BLAS_RANK else None for h, bt, r in factors)
+    (hg, bgt, rg), (hu, but, ru) = (_in_c(f) for f in factors)
     gate, up = (torch.empty_like(yg), torch.empty_like(yu)) if keep else (None, None)
     out = torch.empty_like(yg)
     getattr(_library(), "silu_forward" + SUFFIXES[yg.dtype])(
-        yg.data_ptr(), yu.data_ptr(), _ptr(hg), _ptr(bgt), rg, _ptr(hu), _ptr(but), ru,
+        yg.data_ptr(), yu.data_ptr(), _ptr(hg), _ptr(bgt), rg, _ptr(hu), _ptr(but), ru, _ptr(dg), _ptr(du),
         _ptr(gate), _ptr(up), out.data_ptr(), T, F, torch.get_num_threads())
     return gate, up, out
 
@@ -262,10 +297,14 @@ def silu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, low_
     grad = grad.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     factors = [_factors(low_rank_g), _factors(low_rank_u)]
-    sums = [(torch.zeros(threads, T, r), torch.zeros(threads, r, F)) if r else (None, None) for _, _, r in factors]
-    (hg, bgt, rg), (hu, but, ru) = factors
+    dense = [torch.empty(T, F) if r >= BLAS_RANK else None for _, _, r in factors]  # float32 dL/dgate, dL/dup
+    (hg, bgt, rg), (hu, but, ru) = in_c = [_in_c(f) for f in factors]
+    sums = [(torch.zeros(threads, T, r), torch.zeros(threads, r, F)) if r else (None, None) for _, _, r in in_c]
     (dhg, dbgt), (dhu, dbut) = sums
     getattr(_library(), "silu_backward" + SUFFIXES[gate.dtype])(
         grad.data_ptr(), gate.data_ptr(), up.data_ptr(), dgate.data_ptr(), dup.data_ptr(),
-        _ptr(hg), _ptr(bgt), _ptr(dbgt), _ptr(dhg), rg, _ptr(hu), _ptr(but), _ptr(dbut), _ptr(dhu), ru, T, F, threads)
-    return dgate, dup, *((dh.sum(0), dbt.sum(0)) if dh is not None else None for dh, dbt in sums)
+        _ptr(hg), _ptr(bgt), _ptr(dbgt), _ptr(dhg), rg, _ptr(hu), _ptr(but), _ptr(dbut), _ptr(dhu), ru,
+        _ptr(dense[0]), _ptr(dense[1]), T, F, threads)
+    return dgate, dup, *((torch.mm(d, bt.t()), torch.mm(h.t(), d)) if d is not None  # dL/dh = d bt^T, dL/dbt = h^T d
+                         else (dh.sum(0), dbt.sum(0)) if dh is not None else None
+                         for (h, bt, _), d, (dh, dbt) in zip(factors, dense, sums))

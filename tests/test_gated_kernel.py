@@ -51,12 +51,14 @@ def error(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("T, F, r", [(300, 272, 8), (37, 48, 3), (64, 48, 15)], ids=["threads", "one-thread-tails", "rank-tiles"])
+@pytest.mark.parametrize("T, F, r", [(300, 272, 8), (37, 48, 3), (64, 48, 15), (45, 272, gated.BLAS_RANK)],
+                         ids=["threads", "one-thread-tails", "rank-tiles", "blas-rank"])
 def test_as_accurate_as_the_torch_path(T, F, r, dtype, monkeypatch):
     """Output and every gradient within the compute dtype's rounding of float64, and no further
     from it than GatedProduct's torch path: 300 x 272 runs on both threads (F is two column
     blocks and a part), 37 x 48 on one, with a row group cut short; rank 3 takes the backward's
-    tiles of 2 and 1 ranks, rank 15 a whole tile of 8 and the 4, 2 and 1 after it."""
+    tiles of 2 and 1 ranks, rank 15 a whole tile of 8 and the 4, 2 and 1 after it; at BLAS_RANK
+    the deltas' products are the BLAS's."""
     y, h, b, grad = inputs(T, F, r, dtype=dtype)
     ref = reference(y, h, b, grad)
     ours, theirs = run(y, h, b, grad, True, monkeypatch), run(y, h, b, grad, False, monkeypatch)
@@ -70,9 +72,11 @@ def test_as_accurate_as_the_torch_path(T, F, r, dtype, monkeypatch):
         assert error(a, x) <= 1.25 * error(t, x) + slack, (name, error(a, x), error(t, x))
 
 
-def test_one_delta_or_none(monkeypatch):
-    """A LoRA on gate only, or on neither: the missing factors get no gradient, the rest agree."""
-    y, h, b, grad = inputs(64, 1040, 4, seed=1)
+@pytest.mark.parametrize("r", [4, gated.BLAS_RANK])
+def test_one_delta_or_none(r, monkeypatch):
+    """A LoRA on gate only, or on neither: the missing factors get no gradient, the rest agree
+    (the delta's products in the C pass, or the BLAS's)."""
+    y, h, b, grad = inputs(64, 1040, r, seed=1)
     monkeypatch.setattr(layers, "_fused", layers._fused)
     for on_gate in (True, False):
         outs = []
