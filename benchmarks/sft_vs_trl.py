@@ -5,10 +5,11 @@
     python benchmarks/sft_vs_trl.py --profile bf16       # torch.profiler over our first 4 steps, in this process
     python benchmarks/sft_vs_trl.py --model M.gguf       # another base (benchmarks/sized_models.py writes 0.5B/1.5B ones)
     python benchmarks/sft_vs_trl.py --model 1.5b.gguf --steps 6   # fewer steps for a large model
+    python benchmarks/sft_vs_trl.py --rank 64            # another LoRA rank on every side (alpha twice it)
 
 Workload (both sides): the bundled SmolLM2-135M-Instruct Q4_1 (or --model); 160 chat rows, row i user
 "What is A + B?" and assistant "A+B" with A, B drawn by random.Random(0); loss on the
-assistant tokens only; LoRA rank 8, alpha 16 on q, k, v, o, gate, up, down; step k trains
+assistant tokens only; LoRA rank 8, alpha 16 (--rank) on q, k, v, o, gate, up, down; step k trains
 rows 8k..8k+7 in order, 20 steps (--steps); AdamW lr 1e-4 constant, no weight decay, gradient clip 1.0;
 2 threads. TRL: transformers dequantizes the GGUF to float32, PEFT LoRA, SFTTrainer on
 prompt/completion conversations with completion_only_loss, fp32, no gradient checkpointing.
@@ -60,6 +61,7 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 OUR_TARGETS = ["q", "k", "v", "o", "ffn_gate", "ffn_up", "ffn_down"]
 LOSS_STEPS = (1, 5, 10, 20)  # those the run has
 STEPS_ENV = "RETROGRAD_BENCH_SFT_STEPS"  # --steps, for the children
+RANK_ENV = "RETROGRAD_BENCH_SFT_RANK"  # --rank, for the children
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ class Workload:
         return pairs
 
 
-WORK = Workload(steps=int(os.environ.get(STEPS_ENV, "20")))
+WORK = Workload(steps=int(os.environ.get(STEPS_ENV, "20")), rank=int(os.environ.get(RANK_ENV, "8")),
+                alpha=2.0 * int(os.environ.get(RANK_ENV, "8")))
 
 
 def peak_rss_bytes(who=resource.RUSAGE_SELF) -> int:
@@ -467,13 +470,16 @@ def main() -> None:
     ap.add_argument("--profile", choices=("f32", "bf16"), help="profile our first 4 steps in this process and stop")
     ap.add_argument("--model", type=Path, help="the base GGUF (default: the bundled SmolLM2-135M; benchmarks/sized_models.py writes 0.5B and 1.5B ones)")
     ap.add_argument("--steps", type=int, default=WORK.steps, help="optimizer steps per side, at least 2 (default 20)")
+    ap.add_argument("--rank", type=int, default=WORK.rank, help="LoRA rank on every side, alpha twice it (default 8)")
     ap.add_argument("--_child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     use_model(args.model, "sft_vs_trl")
     if args.steps < 2:
         sys.exit("sft_vs_trl: --steps must be at least 2 (step 1 warms up)")
-    WORK = replace(WORK, steps=args.steps)
-    os.environ[STEPS_ENV] = str(args.steps)
+    if args.rank < 1:
+        sys.exit("sft_vs_trl: --rank must be at least 1")
+    WORK = replace(WORK, steps=args.steps, rank=args.rank, alpha=2.0 * args.rank)
+    os.environ[STEPS_ENV], os.environ[RANK_ENV] = str(args.steps), str(args.rank)
     if args._child:
         print(json.dumps(CHILDREN[args._child]()))
         return
