@@ -261,11 +261,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _factors(low_rank: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """(h [T, r], bt [r, F]) -> contiguous float32 copies and r; None -> no delta."""
+    """(h [T, r], bt [r, F]) -> float32, contiguous where the C pass reads them, and r; None ->
+    no delta. (bt is a transposed view: the BLAS reads it as it is.)"""
     if low_rank is None:
         return None, None, 0
-    h, bt = (x.float().contiguous() for x in low_rank)
-    return h, bt, h.shape[1]
+    h, bt = (x.float() for x in low_rank)
+    r = h.shape[1]
+    return (h, bt, r) if r >= BLAS_RANK else (h.contiguous(), bt.contiguous(), r)
 
 
 def _in_c(factors: tuple[torch.Tensor | None, torch.Tensor | None, int]):
