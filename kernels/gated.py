@@ -237,6 +237,9 @@ P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # products are faster at rank 24 and below (through memory at rank 16: +8%), the BLAS's from
 # rank 32 (-6%; rank 64 -17%).
 BLAS_RANK = 32
+# Rows per call where it does: bounds those float32 temporaries (whole, at 8192 tokens and F
+# 8960, they would be 587 MB).
+BLAS_ROWS = 512
 
 
 @cache
@@ -256,8 +259,9 @@ def available() -> bool:
     return _library() is not None
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ptr(t: torch.Tensor | None, row: int = 0) -> int | None:
+    """The address of row `row` of t (None: NULL)."""
+    return None if t is None else t.data_ptr() + row * t.stride(0) * t.element_size()
 
 
 def _factors(low_rank: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
@@ -275,19 +279,28 @@ def _in_c(factors: tuple[torch.Tensor | None, torch.Tensor | None, int]):
     return (None, None, 0) if factors[2] >= BLAS_RANK else factors
 
 
+def _rows(T: int, factors) -> int:
+    """Rows per C call: all of them, or BLAS_ROWS where a delta's products are the BLAS's."""
+    return BLAS_ROWS if any(r >= BLAS_RANK for _, _, r in factors) else T
+
+
 def silu_forward(yg: torch.Tensor, yu: torch.Tensor, low_rank_g, low_rank_u, keep: bool):
     """yg, yu: [T, F] in bf16 or float32; low_rank_*: (h [T, r], bt [r, F]) or None -> (gate,
     up, out) in yg's dtype, gate and up (with their deltas) None unless `keep` (for backward)."""
     T, F = yg.shape
     yg, yu = yg.contiguous(), yu.contiguous()  # held here: a temporary's pointer would dangle
     factors = [_factors(low_rank_g), _factors(low_rank_u)]
-    dg, du = (torch.mm(h, bt) if r >= BLAS_RANK else None for h, bt, r in factors)
-    (hg, bgt, rg), (hu, but, ru) = (_in_c(f) for f in factors)
     gate, up = (torch.empty_like(yg), torch.empty_like(yu)) if keep else (None, None)
     out = torch.empty_like(yg)
-    getattr(_library(), "silu_forward" + SUFFIXES[yg.dtype])(
-        yg.data_ptr(), yu.data_ptr(), _ptr(hg), _ptr(bgt), rg, _ptr(hu), _ptr(but), ru, _ptr(dg), _ptr(du),
-        _ptr(gate), _ptr(up), out.data_ptr(), T, F, torch.get_num_threads())
+    rows = _rows(T, factors)
+    dense = [torch.empty(min(rows, T), F) if r >= BLAS_RANK else None for _, _, r in factors]  # float32 deltas
+    (hg, bgt, rg), (hu, but, ru) = (_in_c(f) for f in factors)
+    forward = getattr(_library(), "silu_forward" + SUFFIXES[yg.dtype])
+    for t0 in range(0, T, rows):
+        n = min(rows, T - t0)
+        dg, du = (torch.mm(h[t0:t0 + n], bt, out=d[:n]) if d is not None else None for (h, bt, _), d in zip(factors, dense))
+        forward(_ptr(yg, t0), _ptr(yu, t0), _ptr(hg, t0), _ptr(bgt), rg, _ptr(hu, t0), _ptr(but), ru, _ptr(dg), _ptr(du),
+                _ptr(gate, t0), _ptr(up, t0), _ptr(out, t0), n, F, torch.get_num_threads())
     return gate, up, out
 
 
@@ -299,14 +312,24 @@ def silu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, low_
     grad = grad.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     factors = [_factors(low_rank_g), _factors(low_rank_u)]
-    dense = [torch.empty(T, F) if r >= BLAS_RANK else None for _, _, r in factors]  # float32 dL/dgate, dL/dup
+    rows = _rows(T, factors)
+    dense = [torch.empty(min(rows, T), F) if r >= BLAS_RANK else None for _, _, r in factors]  # float32 dL/dgate, dL/dup
     (hg, bgt, rg), (hu, but, ru) = in_c = [_in_c(f) for f in factors]
-    sums = [(torch.zeros(threads, T, r), torch.zeros(threads, r, F)) if r else (None, None) for _, _, r in in_c]
-    (dhg, dbgt), (dhu, dbut) = sums
-    getattr(_library(), "silu_backward" + SUFFIXES[gate.dtype])(
-        grad.data_ptr(), gate.data_ptr(), up.data_ptr(), dgate.data_ptr(), dup.data_ptr(),
-        _ptr(hg), _ptr(bgt), _ptr(dbgt), _ptr(dhg), rg, _ptr(hu), _ptr(but), _ptr(dbut), _ptr(dhu), ru,
-        _ptr(dense[0]), _ptr(dense[1]), T, F, threads)
-    return dgate, dup, *((torch.mm(d, bt.t()), torch.mm(h.t(), d)) if d is not None  # dL/dh = d bt^T, dL/dbt = h^T d
-                         else (dh.sum(0), dbt.sum(0)) if dh is not None else None
-                         for (h, bt, _), d, (dh, dbt) in zip(factors, dense, sums))
+    low = [(torch.empty(T, r), torch.zeros(r, F)) if r else None for _, _, r in factors]
+    backward = getattr(_library(), "silu_backward" + SUFFIXES[gate.dtype])
+    for t0 in range(0, T, rows):
+        n = min(rows, T - t0)
+        sums = [(torch.zeros(threads, n, r), torch.zeros(threads, r, F)) if r else (None, None) for _, _, r in in_c]
+        (dhg, dbgt), (dhu, dbut) = sums
+        derivatives = [d[:n] if d is not None else None for d in dense]
+        backward(_ptr(grad, t0), _ptr(gate, t0), _ptr(up, t0), _ptr(dgate, t0), _ptr(dup, t0),
+                 _ptr(hg, t0), _ptr(bgt), _ptr(dbgt), _ptr(dhg), rg, _ptr(hu, t0), _ptr(but), _ptr(dbut), _ptr(dhu), ru,
+                 _ptr(derivatives[0]), _ptr(derivatives[1]), n, F, threads)
+        for (h, bt, r), d, (dh, dbt), grads in zip(factors, derivatives, sums, low):
+            if d is not None:  # dL/dh = d bt^T, dL/dbt = h^T d
+                torch.mm(d, bt.t(), out=grads[0][t0:t0 + n])
+                grads[1].addmm_(h[t0:t0 + n].t(), d)
+            elif r:  # the threads' sums
+                torch.sum(dh, 0, out=grads[0][t0:t0 + n])
+                grads[1].add_(dbt.sum(0))
+    return dgate, dup, *low

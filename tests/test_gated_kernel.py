@@ -128,6 +128,28 @@ def test_thread_count_changes_nothing_but_sum_order():
         assert error(a, c.double()) < 1e-5
 
 
+def test_blas_products_in_row_chunks(monkeypatch):
+    """Past BLAS_ROWS rows the BLAS's products go a chunk of rows at a time (the last one short),
+    beside a delta of low rank whose products the C pass computes in the same chunks: every
+    output and gradient still within float32 rounding of float64."""
+    monkeypatch.setattr(gated, "BLAS_ROWS", 16)
+    g = torch.Generator().manual_seed(4)
+    T, F, ranks = 45, 272, (5, gated.BLAS_RANK)
+    y = [torch.randn(T, F, generator=g) * s for s in (2.0, 1.0)]
+    h = [torch.randn(T, r, generator=g) for r in ranks]
+    b = [torch.randn(F, r, generator=g) * 0.05 for r in ranks]
+    grad = torch.randn(T, F, generator=g)
+    gate, up, out = gated.silu_forward(*y, *((hi, bi.t()) for hi, bi in zip(h, b)), keep=True)
+    d_gate, d_up, (dh_g, dbt_g), (dh_u, dbt_u) = gated.silu_backward(grad, gate, up, *((hi, bi.t()) for hi, bi in zip(h, b)))
+    ref = reference([t.float() for t in y], h, b, grad)
+    leaves = [t.double().requires_grad_() for t in (*y, *h, *b)]
+    pre = [leaves[0] + leaves[2] @ leaves[4].t(), leaves[1] + leaves[3] @ leaves[5].t()]
+    for name, a, x in [("out", out, ref[0]), ("gate", gate, pre[0].detach()), ("up", up, pre[1].detach()),
+                       ("d_gate", d_gate, ref[1]), ("d_up", d_up, ref[2]), ("h_gate", dh_g, ref[3]),
+                       ("h_up", dh_u, ref[4]), ("b_gate", dbt_g.t(), ref[5]), ("b_up", dbt_u.t(), ref[6])]:
+        assert error(a, x) < 1e-5, (name, error(a, x))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_a_model_trains_the_same_with_and_without_the_kernel(tiny_model, monkeypatch, dtype):
     """A llama with a LoRA on every projection: the loss, and the gradients of the FFN's gate
