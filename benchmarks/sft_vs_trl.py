@@ -90,8 +90,8 @@ class Workload:
         return pairs
 
 
-WORK = Workload(steps=int(os.environ.get(STEPS_ENV, "20")), rank=int(os.environ.get(RANK_ENV, "8")),
-                alpha=2.0 * int(os.environ.get(RANK_ENV, "8")))
+_RANK = int(os.environ.get(RANK_ENV, "8"))
+WORK = Workload(steps=int(os.environ.get(STEPS_ENV, "20")), rank=_RANK, alpha=2.0 * _RANK)
 
 
 def peak_rss_bytes(who=resource.RUSAGE_SELF) -> int:

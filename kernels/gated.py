@@ -234,8 +234,8 @@ SOURCE = COMMON + "".join(TEMPLATE.substitute(suffix=SUFFIXES[t], elem=e, load=l
 P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # From this rank on the deltas' products go to the BLAS, the C pass reading (forward) or writing
 # (backward) them as float32 [T, F]: measured in a 0.5B bf16 step (Xeon), the C pass's own
-# products are faster at rank 24 and below (through memory at rank 16: +8%), the BLAS's from
-# rank 32 (-6%; rank 64 -17%).
+# products are faster at rank 24 and below (through memory at rank 16: +6-9%), the BLAS's from
+# rank 32 (-5%; rank 64 -16%).
 BLAS_RANK = 32
 # Rows per call where it does: bounds those float32 temporaries (whole, at 8192 tokens and F
 # 8960, they would be 587 MB).
@@ -281,7 +281,7 @@ def _in_c(factors: tuple[torch.Tensor | None, torch.Tensor | None, int]):
 
 def _rows(T: int, factors) -> int:
     """Rows per C call: all of them, or BLAS_ROWS where a delta's products are the BLAS's."""
-    return BLAS_ROWS if any(r >= BLAS_RANK for _, _, r in factors) else T
+    return BLAS_ROWS if any(r >= BLAS_RANK for _, _, r in factors) else max(T, 1)  # (range's step)
 
 
 def silu_forward(yg: torch.Tensor, yu: torch.Tensor, low_rank_g, low_rank_u, keep: bool):
